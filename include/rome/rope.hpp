@@ -1,0 +1,87 @@
+// The RoME operation: y = (x·A) ⊙ C + (x·B) ⊙ S over strided views.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "rome/rotation.hpp"
+#include "rome/tensor.hpp"
+
+namespace rome {
+
+// How a table's columns map onto the rotary_dim lanes of a head.
+enum class TableWidth : std::uint8_t {
+  full,    // one column per lane (width == rotary_dim)
+  halves,  // width == rotary_dim/2, lane j reads column j % width (NeoX caches: vLLM, ONNX)
+  pairs,   // width == rotary_dim/2, lane j reads column j / 2 (GPT-J caches, ExecuTorch)
+};
+
+// The cos (C) and sin (S) tables, given one of two ways:
+//  - direct: cos and sin share one shape, broadcastable to x's shape with the last axis being
+//    the table width (e.g. [1, 1, S, D], [B, 1, S, D], [S, D], [1, S, 1, D]);
+//  - cache: cos and sin are [P, width] and `positions` (int32 or int64) picks a row per token.
+//    positions has rank x.rank - 1, broadcastable to x's shape without its last axis; with
+//    `column_axis` set it has one more trailing axis (one position per axis: t, h, w, ...) and
+//    column c reads the position of axis column_axis[c] (MRoPE, multi-axis grids).
+// Tables may be any floating dtype, independent of x, and any stride (including the last axis).
+struct Tables {
+  ConstTensorView cos;
+  ConstTensorView sin;
+  ConstTensorView positions;  // empty (data == nullptr) for direct tables
+  std::vector<int> column_axis;
+  TableWidth width = TableWidth::full;
+
+  bool is_cache() const noexcept { return positions.data != nullptr; }
+};
+
+// One tensor to rotate: `in` is read, `out` is written. out.data == in.data with equal strides
+// is in place; any other overlap is an error.
+struct Operand {
+  ConstTensorView in;
+  TensorView out;
+};
+
+struct ExecOptions {
+  int num_threads = 0;  // 0: rome::default_num_threads()
+};
+
+// Rotates q (and k, when given) with one table read per token: each worker loads a token's
+// table row once and applies it to every head of q and k. k may have fewer heads than q
+// (GQA/MQA): its shape must equal q's on every axis the tables vary along.
+void rope_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
+                  const Operand* k = nullptr, const ExecOptions& options = {});
+
+// Gradients of y = (x·A) ⊙ C + (x·B) ⊙ S given g = dL/dy (general formulas, no sin-negation):
+//   dx = (g ⊙ C)·Aᵀ + (g ⊙ S)·Bᵀ
+//   dC = Σ g ⊙ (x·A),  dS = Σ g ⊙ (x·B)   (summed over the axes the table broadcasts on)
+//   dA = xᵀ·(g ⊙ C),   dB = xᵀ·(g ⊙ S)     (summed over all rows)
+// Any output left empty (data == nullptr) is skipped. dcos/dsin take the shape of the direct
+// tables (cache tables have no table gradient). da/db are rotary_dim × rotary_dim fp32.
+struct Gradients {
+  TensorView dx;
+  TensorView dcos;
+  TensorView dsin;
+  float* da = nullptr;
+  float* db = nullptr;
+};
+void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTensorView& grad,
+                   const ConstTensorView& x, const Gradients& out, const ExecOptions& options = {});
+
+// Instruction sets, ordered: a machine that runs one runs every lower one.
+enum class Isa : std::uint8_t { scalar = 0, avx2 = 1, avx512 = 2, amx = 3 };
+const char* isa_name(Isa isa) noexcept;
+
+// What the CPU and OS support (CPUID + XCR0 + the Linux AMX permission request), read once.
+Isa detected_isa() noexcept;
+// The ISA in use: detected_isa() lowered by ROME_MAX_ISA and by set_max_isa().
+Isa active_isa() noexcept;
+// Lowers (never raises) the ISA for later calls; returns the ISA now active. Meant for tests
+// and benchmarks that run every path in one process.
+Isa set_max_isa(Isa limit) noexcept;
+bool isa_compiled(Isa isa) noexcept;  // this build carries kernels for `isa`
+
+// Threads: ROME_NUM_THREADS, else every core. set_num_threads(0) returns to that default.
+int default_num_threads() noexcept;
+void set_num_threads(int threads);
+
+}  // namespace rome

@@ -1,0 +1,216 @@
+#include "dispatch.hpp"
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+#include "rome/error.hpp"
+#include "thread_pool.hpp"
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <cpuid.h>
+#if defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+#define ROME_X86 1
+#endif
+
+namespace rome {
+namespace detail {
+namespace {
+
+#ifdef ROME_X86
+std::uint64_t read_xcr0() {
+  std::uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return (std::uint64_t(edx) << 32) | eax;
+}
+
+// Linux keeps AMX tile data off until a process asks (arch_prctl ARCH_REQ_XCOMP_PERM).
+bool request_amx_permission() {
+#if defined(__linux__)
+  constexpr long kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
+CpuFeatures detect() {
+  CpuFeatures f;
+#ifdef ROME_X86
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return f;
+  const bool osxsave = c & (1u << 27), avx = c & (1u << 28);
+  f.fma = c & (1u << 12);
+  f.f16c = c & (1u << 29);
+  if (!osxsave || !avx) return f;
+  const std::uint64_t xcr0 = read_xcr0();
+  const bool ymm_state = (xcr0 & 0x6) == 0x6;
+  const bool zmm_state = (xcr0 & 0xe6) == 0xe6;
+  const bool tile_state = (xcr0 & 0x60000) == 0x60000;
+  if (__get_cpuid_max(0, nullptr) < 7) return f;
+  __cpuid_count(7, 0, a, b, c, d);
+  f.avx2 = ymm_state && (b & (1u << 5));
+  f.avx512f = zmm_state && (b & (1u << 16));
+  f.avx512dq = zmm_state && (b & (1u << 17));
+  f.avx512bw = zmm_state && (b & (1u << 30));
+  f.avx512vl = zmm_state && (b & (1u << 31));
+  f.avx512_fp16 = zmm_state && (d & (1u << 23));
+  f.amx_bf16 = tile_state && (d & (1u << 22));
+  f.amx_tile = tile_state && (d & (1u << 24));
+  unsigned a1, b1, c1, d1;
+  __cpuid_count(7, 1, a1, b1, c1, d1);
+  f.avx512_bf16 = zmm_state && (a1 & (1u << 5));
+  if (f.amx_tile && f.amx_bf16) f.amx_permitted = request_amx_permission();
+#endif
+  return f;
+}
+
+Isa isa_from_features(const CpuFeatures& f) {
+  Isa isa = Isa::scalar;
+  if (f.avx2 && f.fma && f.f16c) isa = Isa::avx2;
+  if (isa == Isa::avx2 && f.avx512f && f.avx512bw && f.avx512vl && f.avx512dq) isa = Isa::avx512;
+  if (isa == Isa::avx512 && f.amx_tile && f.amx_bf16 && f.amx_permitted) isa = Isa::amx;
+  return isa;
+}
+
+bool parse_isa(const char* text, Isa& out) {
+  for (Isa isa : {Isa::scalar, Isa::avx2, Isa::avx512, Isa::amx})
+    if (std::strcmp(text, isa_name(isa)) == 0) {
+      out = isa;
+      return true;
+    }
+  return false;
+}
+
+Isa highest_compiled(Isa limit) {
+  while (limit != Isa::scalar && !isa_compiled(limit)) limit = Isa(int(limit) - 1);
+  return limit;
+}
+
+// An unknown ROME_MAX_ISA leaves the ISA alone here; check_environment() reports it on the first
+// call, where an exception can reach the caller.
+Isa initial_isa() {
+  Isa isa = highest_compiled(detected_isa());
+  if (const char* env = std::getenv("ROME_MAX_ISA"); env && *env) {
+    Isa limit;
+    if (parse_isa(env, limit) && limit < isa) isa = limit;
+  }
+  return isa;
+}
+
+std::atomic<int>& active_isa_value() {
+  static std::atomic<int> value{int(initial_isa())};
+  return value;
+}
+
+std::atomic<int> configured_threads{0};
+
+}  // namespace
+
+const CpuFeatures& cpu_features() noexcept {
+  static const CpuFeatures features = detect();
+  return features;
+}
+
+const kernels::KernelTable& active_kernels() noexcept {
+  switch (Isa(active_isa_value().load(std::memory_order_relaxed))) {
+#ifdef ROME_HAVE_AMX
+    case Isa::amx: return kernels::amx_kernels();
+#endif
+#ifdef ROME_HAVE_AVX512
+    case Isa::avx512: return kernels::avx512_kernels();
+#endif
+#ifdef ROME_HAVE_AVX2
+    case Isa::avx2: return kernels::avx2_kernels();
+#endif
+    default: return kernels::scalar_kernels();
+  }
+}
+
+void check_environment() {
+  static const bool valid = [] {
+    const char* env = std::getenv("ROME_MAX_ISA");
+    Isa ignored;
+    return !env || !*env || parse_isa(env, ignored);
+  }();
+  if (!valid)
+    fail(Status::invalid_argument, "ROME_MAX_ISA", "one of scalar, avx2, avx512, amx",
+         std::string("'") + std::getenv("ROME_MAX_ISA") + "'");
+}
+
+int resolve_threads(int requested) noexcept {
+  if (requested > 0) return requested;
+  const int configured = configured_threads.load(std::memory_order_relaxed);
+  return configured > 0 ? configured : default_num_threads();
+}
+
+}  // namespace detail
+
+const char* isa_name(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::scalar: return "scalar";
+    case Isa::avx2: return "avx2";
+    case Isa::avx512: return "avx512";
+    case Isa::amx: return "amx";
+  }
+  return "unknown";
+}
+
+bool isa_compiled(Isa isa) noexcept {
+  switch (isa) {
+    case Isa::scalar: return true;
+#ifdef ROME_HAVE_AVX2
+    case Isa::avx2: return true;
+#endif
+#ifdef ROME_HAVE_AVX512
+    case Isa::avx512: return true;
+#endif
+#ifdef ROME_HAVE_AMX
+    case Isa::amx: return true;
+#endif
+    default: return false;
+  }
+}
+
+Isa detected_isa() noexcept { return detail::isa_from_features(detail::cpu_features()); }
+
+Isa active_isa() noexcept { return Isa(detail::active_isa_value().load()); }
+
+Isa set_max_isa(Isa limit) noexcept {
+  // Lowering only: never above what the CPU, the build and ROME_MAX_ISA allow.
+  const Isa ceiling = detail::initial_isa();
+  const Isa isa = detail::highest_compiled(limit < ceiling ? limit : ceiling);
+  detail::active_isa_value().store(int(isa));
+  return isa;
+}
+
+int default_num_threads() noexcept {
+  if (const char* env = std::getenv("ROME_NUM_THREADS"); env && *env) {
+    const int n = std::atoi(env);
+    if (n > 0) return n;
+  }
+  return detail::hardware_threads();
+}
+
+void set_num_threads(int threads) {
+  if (threads < 0 || threads > 4096)
+    fail(Status::invalid_argument, "threads", "0 (the default) to 4096", std::to_string(threads));
+  detail::configured_threads.store(threads);
+}
+
+const char* dtype_name(DType dtype) noexcept {
+  switch (dtype) {
+    case DType::f32: return "float32";
+    case DType::f16: return "float16";
+    case DType::bf16: return "bfloat16";
+    case DType::i32: return "int32";
+    case DType::i64: return "int64";
+  }
+  return "unknown";
+}
+
+}  // namespace rome

@@ -1,0 +1,22 @@
+// The one dispatch point: picks the kernel table of the active ISA.
+#pragma once
+
+#include "../kernels/kernel_api.hpp"
+#include "rome/rope.hpp"
+
+namespace rome::detail {
+
+struct CpuFeatures {
+  bool avx2 = false, fma = false, f16c = false;
+  bool avx512f = false, avx512bw = false, avx512vl = false, avx512dq = false;
+  bool avx512_bf16 = false, avx512_fp16 = false;
+  bool amx_tile = false, amx_bf16 = false, amx_permitted = false;
+};
+const CpuFeatures& cpu_features() noexcept;
+
+const kernels::KernelTable& active_kernels() noexcept;
+int resolve_threads(int requested) noexcept;
+// Throws when the environment asks for something invalid (an unknown ROME_MAX_ISA).
+void check_environment();
+
+}  // namespace rome::detail

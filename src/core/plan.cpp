@@ -1,0 +1,529 @@
+#include "plan.hpp"
+
+#include <algorithm>
+#include <limits>
+#include <string>
+
+#include "convert.hpp"
+#include "rome/error.hpp"
+
+namespace rome::detail {
+namespace {
+
+using std::int64_t;
+using std::to_string;
+
+constexpr int64_t kMaxElements = int64_t(1) << 60;
+
+std::string dims_string(const int64_t* shape, int rank) {
+  std::string s = "[";
+  for (int i = 0; i < rank; ++i) s += (i ? ", " : "") + to_string(shape[i]);
+  return s + "]";
+}
+
+template <typename P>
+int64_t checked_numel(const std::string& name, const BasicView<P>& v) {
+  int64_t n = 1;
+  for (int i = 0; i < v.rank; ++i) {
+    if (v.shape[i] < 0)
+      fail(Status::invalid_argument, name, "non-negative sizes", shape_string(v));
+    if (v.shape[i] != 0 && n > kMaxElements / v.shape[i])
+      fail(Status::out_of_range, name, "at most 2^60 elements", shape_string(v));
+    n *= v.shape[i];
+  }
+  return n;
+}
+
+// Lowest and one-past-highest element offsets a view touches (empty views touch nothing).
+template <typename P>
+void element_span(const BasicView<P>& v, int64_t& lo, int64_t& hi) {
+  lo = 0;
+  hi = 1;
+  for (int i = 0; i < v.rank; ++i) {
+    if (v.shape[i] == 0) {
+      hi = 0;
+      return;
+    }
+    const int64_t reach = v.strides[i] * (v.shape[i] - 1);
+    (reach < 0 ? lo : hi) += reach;
+  }
+}
+
+template <typename P>
+void check_strides(const std::string& name, const BasicView<P>& v) {
+  // |stride| · (size-1) summed must fit in int64 with room for byte offsets.
+  int64_t reach = 0;
+  for (int i = 0; i < v.rank; ++i) {
+    const int64_t s = v.strides[i] < 0 ? -v.strides[i] : v.strides[i];
+    if (v.shape[i] > 1 && s > (kMaxElements - reach) / (v.shape[i] - 1))
+      fail(Status::out_of_range, name, "strides whose extent fits in 2^60 elements",
+           "strides " + dims_string(v.strides, v.rank));
+    if (v.shape[i] > 1) reach += s * (v.shape[i] - 1);
+  }
+}
+
+// True when no two indices of v address the same element: sorted by |stride|, each stride must
+// step past everything the smaller ones reach.
+bool has_distinct_elements(const TensorView& v) {
+  int64_t stride[kMaxRank], size[kMaxRank];
+  int n = 0;
+  for (int i = 0; i < v.rank; ++i)
+    if (v.shape[i] > 1) {
+      stride[n] = v.strides[i] < 0 ? -v.strides[i] : v.strides[i];
+      size[n++] = v.shape[i];
+    }
+  for (int i = 0; i < n; ++i)
+    for (int j = i + 1; j < n; ++j)
+      if (stride[j] < stride[i]) std::swap(stride[i], stride[j]), std::swap(size[i], size[j]);
+  int64_t reach = 0;
+  for (int i = 0; i < n; ++i) {
+    if (stride[i] <= reach) return false;
+    reach += stride[i] * (size[i] - 1);
+  }
+  return true;
+}
+
+// Conservative overlap test of two views of one element size: true unless disjointness is
+// proven. Views of different columns of one buffer (q and k slices of a fused qkv tensor) share
+// their outer axes; those are peeled off, and when every step of them clears the window the
+// remaining axes cover, the two residual spans decide.
+template <typename P1, typename P2>
+bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_size) {
+  int64_t alo, ahi, blo, bhi;
+  element_span(a, alo, ahi);
+  element_span(b, blo, bhi);
+  if (ahi <= alo || bhi <= blo) return false;
+  const auto abytes = reinterpret_cast<std::intptr_t>(a.data);
+  const auto bbytes = reinterpret_cast<std::intptr_t>(b.data);
+  if (abytes + ahi * element_size <= bbytes + blo * element_size ||
+      bbytes + bhi * element_size <= abytes + alo * element_size)
+    return false;
+  if (a.rank != b.rank || (abytes - bbytes) % element_size != 0) return true;
+  const int64_t delta = (bbytes - abytes) / element_size;
+  int64_t shared_stride[kMaxRank], shared_size[kMaxRank];
+  int shared = 0;
+  ConstTensorView ra, rb;
+  for (int i = 0; i < a.rank; ++i) {
+    if (a.shape[i] == b.shape[i] && a.strides[i] == b.strides[i] && a.strides[i] > 0 &&
+        a.shape[i] > 1) {
+      shared_stride[shared] = a.strides[i];
+      shared_size[shared++] = a.shape[i];
+      continue;
+    }
+    ra.shape[ra.rank] = a.shape[i];
+    ra.strides[ra.rank++] = a.strides[i];
+    rb.shape[rb.rank] = b.shape[i];
+    rb.strides[rb.rank++] = b.strides[i];
+  }
+  if (shared == 0) return true;
+  element_span(ra, alo, ahi);
+  element_span(rb, blo, bhi);
+  const int64_t window = std::max(ahi, delta + bhi) - std::min(alo, delta + blo);
+  for (int i = 0; i < shared; ++i)
+    for (int j = i + 1; j < shared; ++j)
+      if (shared_stride[j] < shared_stride[i])
+        std::swap(shared_stride[i], shared_stride[j]), std::swap(shared_size[i], shared_size[j]);
+  int64_t reach = window;  // what one index of the smaller shared axes covers
+  for (int i = 0; i < shared; ++i) {
+    if (shared_stride[i] < reach) return true;
+    reach += shared_stride[i] * (shared_size[i] - 1);
+  }
+  return ahi > delta + blo && delta + bhi > alo;
+}
+
+struct CheckedOperand {
+  bool in_place = false;
+};
+
+void check_tensor(const std::string& name, const ConstTensorView& v, int64_t head_dim) {
+  if (v.rank < 2 || v.rank > kMaxRank)
+    fail(Status::invalid_argument, name, "rank 2 to 5 with the head dimension last",
+         "rank " + to_string(v.rank));
+  const int64_t n = checked_numel(name, v);
+  if (!is_floating(v.dtype))
+    fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+         dtype_name(v.dtype));
+  if (v.shape[v.rank - 1] != head_dim)
+    fail(Status::invalid_argument, name,
+         "a last axis of " + to_string(head_dim) + " (the rotation's head_dim)", shape_string(v));
+  if (n > 0 && v.data == nullptr)
+    fail(Status::invalid_argument, name, "a data pointer", "null");
+  if (head_dim > 1 && v.strides[v.rank - 1] != 1)
+    fail(Status::invalid_argument, name, "a contiguous last axis (stride 1)",
+         "stride " + to_string(v.strides[v.rank - 1]));
+  check_strides(name, v);
+}
+
+CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t head_dim,
+                             bool written = true) {
+  check_tensor(name, op.in, head_dim);
+  if (!written) return {};
+  const std::string out = name + "_out";
+  check_tensor(out, as_const(op.out), head_dim);
+  if (op.out.dtype != op.in.dtype)
+    fail(Status::invalid_argument, out + ".dtype", dtype_name(op.in.dtype), dtype_name(op.out.dtype));
+  if (op.out.rank != op.in.rank ||
+      !std::equal(op.in.shape, op.in.shape + op.in.rank, op.out.shape))
+    fail(Status::invalid_argument, out, "the shape of " + name + " " + shape_string(op.in),
+         shape_string(op.out));
+  CheckedOperand c;
+  if (op.in.numel() == 0) return c;
+  if (!has_distinct_elements(op.out))
+    fail(Status::invalid_argument, out, "strides that give every element its own address",
+         "strides " + dims_string(op.out.strides, op.out.rank) + " for shape " +
+             shape_string(op.out));
+  c.in_place = op.out.data == op.in.data;
+  for (int i = 0; c.in_place && i < op.in.rank; ++i)
+    c.in_place = op.in.shape[i] <= 1 || op.in.strides[i] == op.out.strides[i];
+  if (!c.in_place && may_overlap(op.in, op.out, dtype_size(op.in.dtype)))
+    fail(Status::invalid_argument, out,
+         "memory disjoint from " + name + " or exactly " + name + " (in place)",
+         "a partial overlap");
+  return c;
+}
+
+int64_t expected_columns(const RotationData& r, TableWidth width) {
+  return width == TableWidth::full ? r.rotary_dim : r.rotary_dim / 2;
+}
+
+const char* width_name(TableWidth w) {
+  return w == TableWidth::full ? "full" : w == TableWidth::halves ? "halves" : "pairs";
+}
+
+template <typename Index>
+void check_positions_range(const ConstTensorView& p, int64_t cache_rows) {
+  // Walks every element of the (possibly broadcast, strided) positions view.
+  const auto* base = static_cast<const Index*>(p.data);
+  int64_t idx[kMaxRank] = {};
+  const int64_t n = p.numel();
+  int64_t offset = 0;
+  for (int64_t e = 0; e < n; ++e) {
+    const int64_t value = int64_t(base[offset]);
+    if (value < 0 || value >= cache_rows) {
+      std::string at = "[";
+      for (int i = 0; i < p.rank; ++i) at += (i ? ", " : "") + to_string(idx[i]);
+      fail(Status::out_of_range, "positions",
+           "values in [0, " + to_string(cache_rows) + ") (rows of the cos/sin cache)",
+           to_string(value) + " at index " + at + "]");
+    }
+    for (int i = p.rank - 1; i >= 0; --i) {
+      offset += p.strides[i];
+      if (++idx[i] < p.shape[i]) break;
+      offset -= p.strides[i] * p.shape[i];
+      idx[i] = 0;
+    }
+  }
+}
+
+}  // namespace
+
+ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
+                         const Operand* k, bool q_written) {
+  const RotationData& rot = rotation.data();
+  ForwardPlan plan;
+  plan.rotation = &rot;
+  const CheckedOperand cq = check_operand(q_written ? "q" : "grad", q, rot.head_dim, q_written);
+  plan.dtype = q.in.dtype;
+  const int rank = q.in.rank;
+  const int axes = rank - 1;  // every axis but the head
+  CheckedOperand ck;
+  if (k) {
+    ck = check_operand("k", *k, rot.head_dim);
+    if (k->in.rank != rank)
+      fail(Status::invalid_argument, "k", "rank " + to_string(rank) + " (the rank of q)",
+           "rank " + to_string(k->in.rank));
+    if (k->in.dtype != q.in.dtype)
+      fail(Status::invalid_argument, "k.dtype", std::string(dtype_name(q.in.dtype)) + " (the dtype of q)",
+           dtype_name(k->in.dtype));
+    const int es = dtype_size(plan.dtype);
+    if (k->in.numel() > 0 && q.in.numel() > 0) {
+      if (may_overlap(q.out, k->out, es))
+        fail(Status::invalid_argument, "k_out", "memory disjoint from q_out", "an overlap");
+      if (may_overlap(q.in, k->out, es))
+        fail(Status::invalid_argument, "k_out", "memory disjoint from q", "an overlap");
+      if (may_overlap(k->in, q.out, es))
+        fail(Status::invalid_argument, "q_out", "memory disjoint from k", "an overlap");
+    }
+  }
+
+  // Tables.
+  const ConstTensorView& cos = tables.cos;
+  const ConstTensorView& sin = tables.sin;
+  const int64_t columns = expected_columns(rot, tables.width);
+  if (tables.width != TableWidth::full && rot.rotary_dim % 2 != 0)
+    fail(Status::invalid_argument, "tables.width", "full for an odd rotary_dim", width_name(tables.width));
+  for (const auto* t : {&cos, &sin}) {
+    const std::string name = t == &cos ? "cos" : "sin";
+    if (t->rank < 1 || t->rank > kMaxRank)
+      fail(Status::invalid_argument, name, "rank 1 to 5", "rank " + to_string(t->rank));
+    checked_numel(name, *t);
+    check_strides(name, *t);
+    if (!is_floating(t->dtype))
+      fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+           dtype_name(t->dtype));
+    if (t->shape[t->rank - 1] != columns)
+      fail(Status::invalid_argument, name,
+           "a last axis of " + to_string(columns) + " (" + width_name(tables.width) +
+               " width for rotary_dim " + to_string(rot.rotary_dim) + ")",
+           shape_string(*t));
+    if (t->numel() > 0 && t->data == nullptr)
+      fail(Status::invalid_argument, name, "a data pointer", "null");
+  }
+  if (cos.rank != sin.rank || !std::equal(cos.shape, cos.shape + cos.rank, sin.shape))
+    fail(Status::invalid_argument, "sin", "the shape of cos " + shape_string(cos), shape_string(sin));
+
+  TablePlan& tp = plan.tables;
+  tp.cos = static_cast<const char*>(cos.data);
+  tp.sin = static_cast<const char*>(sin.data);
+  tp.dtype_cos = cos.dtype;
+  tp.dtype_sin = sin.dtype;
+  tp.cos_lane = cos.strides[cos.rank - 1];
+  tp.sin_lane = sin.strides[sin.rank - 1];
+  tp.width = tables.width;
+  tp.columns = columns;
+
+  // For each axis of x (but the head): does the table row change along it? Strides of the
+  // table source along that axis go to the outer plan.
+  bool varies[kMaxRank] = {};
+  int64_t cos_stride[kMaxRank] = {}, sin_stride[kMaxRank] = {}, pos_stride[kMaxRank] = {};
+  auto check_broadcast = [&](const std::string& name, const ConstTensorView& t, int t_axes) {
+    if (t_axes > axes)
+      fail(Status::invalid_argument, name,
+           "at most " + to_string(axes) + " axes before the last (x has rank " + to_string(rank) + ")",
+           shape_string(t));
+    for (int i = 0; i < t_axes; ++i) {
+      const int xi = axes - t_axes + i;
+      const int64_t ts = t.shape[i];
+      const bool fits_q = ts == 1 || ts == q.in.shape[xi];
+      const bool fits_k = !k || ts == 1 || ts == k->in.shape[xi];
+      if (!fits_q || !fits_k)
+        fail(Status::invalid_argument, name,
+             "a shape broadcastable to " + std::string(!fits_q ? "q " + shape_string(q.in)
+                                                               : "k " + shape_string(k->in)),
+             shape_string(t));
+    }
+  };
+  if (!tables.is_cache()) {
+    if (!tables.column_axis.empty())
+      fail(Status::invalid_argument, "tables.column_axis", "empty for direct tables",
+           to_string(tables.column_axis.size()) + " entries");
+    check_broadcast("cos", cos, cos.rank - 1);
+    for (int i = 0; i < cos.rank - 1; ++i) {
+      const int xi = axes - (cos.rank - 1) + i;
+      if (cos.shape[i] != 1) varies[xi] = true;
+      cos_stride[xi] = cos.strides[i];
+      sin_stride[xi] = sin.strides[i];
+    }
+    tp.direct_fp32_rows = cos.dtype == DType::f32 && sin.dtype == DType::f32 &&
+                          tables.width == TableWidth::full && tp.cos_lane == 1 && tp.sin_lane == 1;
+  } else {
+    const ConstTensorView& p = tables.positions;
+    if (cos.rank != 2)
+      fail(Status::invalid_argument, "cos", "a [P, width] cache (rank 2) when positions are given",
+           shape_string(cos));
+    if (cos.shape[0] < 1)
+      fail(Status::invalid_argument, "cos", "a cache with at least one row", shape_string(cos));
+    if (p.dtype != DType::i32 && p.dtype != DType::i64)
+      fail(Status::invalid_argument, "positions.dtype", "int32 or int64", dtype_name(p.dtype));
+    const bool multi_axis = !tables.column_axis.empty();
+    const int want_rank = axes + (multi_axis ? 1 : 0);
+    if (p.rank != want_rank || p.rank < 1)
+      fail(Status::invalid_argument, "positions",
+           "rank " + to_string(want_rank) + " (x's axes before the head" +
+               (multi_axis ? ", plus one axis of per-axis positions)" : ")"),
+           "rank " + to_string(p.rank) + " " + shape_string(p));
+    checked_numel("positions", p);
+    check_strides("positions", p);
+    check_broadcast("positions", p, axes);
+    if (multi_axis) {
+      const int64_t n_axes = p.shape[p.rank - 1];
+      if (int64_t(tables.column_axis.size()) != columns)
+        fail(Status::invalid_argument, "tables.column_axis",
+             to_string(columns) + " entries (one per table column)",
+             to_string(tables.column_axis.size()));
+      for (std::size_t c = 0; c < tables.column_axis.size(); ++c)
+        if (tables.column_axis[c] < 0 || tables.column_axis[c] >= n_axes)
+          fail(Status::invalid_argument, "tables.column_axis",
+               "entries in [0, " + to_string(n_axes) + ") (the last axis of positions)",
+               to_string(tables.column_axis[c]) + " at column " + to_string(c));
+      tp.column_axis = tables.column_axis.data();
+      tp.positions_axis_stride = p.strides[p.rank - 1];
+    }
+    if (p.numel() > 0 && p.data == nullptr)
+      fail(Status::invalid_argument, "positions", "a data pointer", "null");
+    for (int i = 0; i < axes; ++i) {
+      if (p.shape[i] != 1) varies[i] = true;
+      pos_stride[i] = p.strides[i];
+    }
+    if (p.dtype == DType::i32)
+      check_positions_range<std::int32_t>(p, cos.shape[0]);
+    else
+      check_positions_range<std::int64_t>(p, cos.shape[0]);
+    tp.positions = static_cast<const char*>(p.data);
+    tp.positions_dtype = p.dtype;
+    tp.cos_row = cos.strides[0];
+    tp.sin_row = sin.strides[0];
+  }
+
+  for (int i = 0; i < axes; ++i) {
+    if (!varies[i]) continue;
+    if (k && k->in.shape[i] != q.in.shape[i])
+      fail(Status::invalid_argument, "k",
+           "size " + to_string(q.in.shape[i]) + " on axis " + to_string(i) +
+               " where the tables vary (the size of q)",
+           shape_string(k->in));
+    const int o = plan.outer_count++;
+    plan.outer_size[o] = q.in.shape[i];
+    plan.outer_total *= q.in.shape[i];
+    tp.cos_outer[o] = cos_stride[i];
+    tp.sin_outer[o] = sin_stride[i];
+    tp.positions_outer[o] = pos_stride[i];
+  }
+  for (int i = 0; i < axes; ++i) plan.outer_axis[i] = varies[i];
+  plan.q = split_operand(plan, q.in, q_written ? q.out.data : nullptr, q.out.strides);
+  plan.q.in_place = cq.in_place;
+  if (k) {
+    plan.has_k = true;
+    plan.k = split_operand(plan, k->in, k->out.data, k->out.strides);
+    plan.k.in_place = ck.in_place;
+  }
+  const int64_t es = dtype_size(plan.dtype);
+  plan.bytes_moved = 2 * es * (q.in.numel() + (k ? k->in.numel() : 0));
+  return plan;
+}
+
+OperandPlan split_operand(const ForwardPlan& plan, const ConstTensorView& in, void* out,
+                          const std::int64_t* out_strides) {
+  OperandPlan op;
+  op.in_base = static_cast<const char*>(in.data);
+  op.out_base = static_cast<char*>(out);
+  int o = 0;
+  for (int i = 0; i < in.rank - 1; ++i) {
+    if (in.shape[i] == 0) op.inner.rows = 0;
+    if (plan.outer_axis[i]) {
+      op.outer_in[o] = in.strides[i];
+      op.outer_out[o++] = out ? out_strides[i] : 0;
+    } else if (in.shape[i] != 1) {
+      InnerAxes& a = op.inner;
+      a.size[a.count] = in.shape[i];
+      a.in_stride[a.count] = in.strides[i];
+      a.out_stride[a.count++] = out ? out_strides[i] : 0;
+      a.rows *= in.shape[i];
+    }
+  }
+  return op;
+}
+
+BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
+                           const ConstTensorView& grad, const ConstTensorView& x,
+                           const Gradients& out) {
+  const RotationData& rot = rotation.data();
+  BackwardPlan bp;
+  bp.want_dx = out.dx.data != nullptr;
+  const bool want_tables = out.dcos.data != nullptr || out.dsin.data != nullptr;
+  const bool want_x = want_tables || out.da || out.db;
+  Operand g{grad, out.dx};
+  bp.forward = plan_forward(rotation, tables, g, nullptr, bp.want_dx);
+  if (want_x) {
+    check_tensor("x", x, rot.head_dim);
+    if (x.rank != grad.rank || !std::equal(x.shape, x.shape + x.rank, grad.shape))
+      fail(Status::invalid_argument, "x", "the shape of grad " + shape_string(grad),
+           shape_string(x));
+    bp.x = split_operand(bp.forward, x, nullptr, nullptr);
+    bp.x_dtype = x.dtype;
+  }
+  if (want_tables) {
+    if (tables.is_cache())
+      fail(Status::unsupported, out.dcos.data ? "dcos" : "dsin",
+           "direct tables (a cache gathered by positions has no table gradient)", "a cache");
+    const ConstTensorView& cos = tables.cos;
+    for (const TensorView* d : {&out.dcos, &out.dsin}) {
+      if (!d->data) continue;
+      const std::string name = d == &out.dcos ? "dcos" : "dsin";
+      if (d->rank != cos.rank || !std::equal(cos.shape, cos.shape + cos.rank, d->shape))
+        fail(Status::invalid_argument, name, "the shape of cos " + shape_string(cos),
+             shape_string(*d));
+      if (!is_floating(d->dtype))
+        fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+             dtype_name(d->dtype));
+      check_strides(name, *d);
+      if (!has_distinct_elements(*d))
+        fail(Status::invalid_argument, name, "strides that give every element its own address",
+             "strides " + dims_string(d->strides, d->rank));
+    }
+    // The plan's outer axes are exactly the table's axes of size > 1, in order.
+    int o = 0;
+    for (int i = 0; i < cos.rank - 1; ++i) {
+      if (cos.shape[i] == 1) continue;
+      if (out.dcos.data) bp.dcos_outer[o] = out.dcos.strides[i];
+      if (out.dsin.data) bp.dsin_outer[o] = out.dsin.strides[i];
+      ++o;
+    }
+    bp.dcos = out.dcos;
+    bp.dsin = out.dsin;
+  }
+  bp.da = out.da;
+  bp.db = out.db;
+  return bp;
+}
+
+TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
+  const TablePlan& t = plan.tables;
+  const int64_t rd = plan.rotation->rotary_dim;
+  auto column = [&](int64_t lane) -> int64_t {
+    switch (t.width) {
+      case TableWidth::full: return lane;
+      case TableWidth::halves: return lane % t.columns;
+      case TableWidth::pairs: return lane / 2;
+    }
+    return lane;
+  };
+  if (!t.positions) {
+    int64_t oc = 0, os = 0;
+    for (int i = 0; i < plan.outer_count; ++i) {
+      oc += outer[i] * t.cos_outer[i];
+      os += outer[i] * t.sin_outer[i];
+    }
+    const char* crow = t.cos + oc * dtype_size(t.dtype_cos);
+    const char* srow = t.sin + os * dtype_size(t.dtype_sin);
+    if (t.direct_fp32_rows)
+      return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
+    for (int64_t j = 0; j < rd; ++j) {
+      const int64_t c = column(j);
+      cos[j] = load_any(crow, t.dtype_cos, c * t.cos_lane);
+      sin[j] = load_any(srow, t.dtype_sin, c * t.sin_lane);
+    }
+    return {cos, sin};
+  }
+  int64_t op = 0;
+  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
+  auto position = [&](int64_t offset) -> int64_t {
+    return t.positions_dtype == DType::i32
+               ? int64_t(reinterpret_cast<const std::int32_t*>(t.positions)[offset])
+               : reinterpret_cast<const std::int64_t*>(t.positions)[offset];
+  };
+  const int ecs = dtype_size(t.dtype_cos), ess = dtype_size(t.dtype_sin);
+  if (!t.column_axis) {
+    const int64_t p = position(op);
+    const char* crow = t.cos + p * t.cos_row * ecs;
+    const char* srow = t.sin + p * t.sin_row * ess;
+    if (t.dtype_cos == DType::f32 && t.dtype_sin == DType::f32 && t.width == TableWidth::full &&
+        t.cos_lane == 1 && t.sin_lane == 1)
+      return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
+    for (int64_t j = 0; j < rd; ++j) {
+      const int64_t c = column(j);
+      cos[j] = load_any(crow, t.dtype_cos, c * t.cos_lane);
+      sin[j] = load_any(srow, t.dtype_sin, c * t.sin_lane);
+    }
+    return {cos, sin};
+  }
+  for (int64_t j = 0; j < rd; ++j) {
+    const int64_t c = column(j);
+    const int64_t p = position(op + t.column_axis[c] * t.positions_axis_stride);
+    cos[j] = load_any(t.cos + p * t.cos_row * ecs, t.dtype_cos, c * t.cos_lane);
+    sin[j] = load_any(t.sin + p * t.sin_row * ess, t.dtype_sin, c * t.sin_lane);
+  }
+  return {cos, sin};
+}
+
+}  // namespace rome::detail

@@ -1,0 +1,96 @@
+// Validation and planning: turns the public arguments into a checked iteration plan. Nothing is
+// written until a plan exists, so every error leaves the outputs untouched.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "rome/rope.hpp"
+#include "rotation_data.hpp"
+
+namespace rome::detail {
+
+// The axes of one operand that share a table row (heads, broadcast batch), flattened into rows.
+struct InnerAxes {
+  int count = 0;
+  std::int64_t size[kMaxRank] = {};
+  std::int64_t in_stride[kMaxRank] = {};   // elements
+  std::int64_t out_stride[kMaxRank] = {};  // elements
+  std::int64_t rows = 1;
+};
+
+struct OperandPlan {
+  const char* in_base = nullptr;  // byte pointers
+  char* out_base = nullptr;
+  std::int64_t outer_in[kMaxRank] = {};  // element strides along the outer axes
+  std::int64_t outer_out[kMaxRank] = {};
+  InnerAxes inner;
+  bool in_place = false;
+};
+
+struct TablePlan {
+  const char* cos = nullptr;
+  const char* sin = nullptr;
+  DType dtype_cos = DType::f32, dtype_sin = DType::f32;
+  std::int64_t cos_outer[kMaxRank] = {}, sin_outer[kMaxRank] = {};  // direct: strides per outer axis
+  std::int64_t cos_row = 0, sin_row = 0;    // cache: stride between cache rows
+  std::int64_t cos_lane = 1, sin_lane = 1;  // stride between columns
+  TableWidth width = TableWidth::full;
+  std::int64_t columns = 0;
+  // cache
+  const char* positions = nullptr;
+  DType positions_dtype = DType::i64;
+  std::int64_t positions_outer[kMaxRank] = {};
+  std::int64_t positions_axis_stride = 0;
+  const int* column_axis = nullptr;  // columns entries, or nullptr for one position per token
+  bool direct_fp32_rows = false;     // rows can be used in place: fp32, full width, unit stride
+};
+
+struct ForwardPlan {
+  const RotationData* rotation = nullptr;
+  DType dtype = DType::f32;
+  bool outer_axis[kMaxRank] = {};  // per axis of x (but the head): the table row changes
+  int outer_count = 0;
+  std::int64_t outer_size[kMaxRank] = {};
+  std::int64_t outer_total = 1;
+  OperandPlan q, k;
+  bool has_k = false;
+  TablePlan tables;
+  std::int64_t bytes_moved = 0;  // for the threading decision
+};
+
+// q_written = false: q.out is ignored (backward without dx).
+ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
+                         const Operand* k, bool q_written = true);
+
+// Splits another view with x's shape along the plan's outer/inner axes (out may be null).
+OperandPlan split_operand(const ForwardPlan& plan, const ConstTensorView& in, void* out,
+                          const std::int64_t* out_strides);
+
+// Backward: q.in = grad, q.out = dx (absent when dx is not wanted); x follows the same split.
+struct BackwardPlan {
+  ForwardPlan forward;
+  bool want_dx = false;
+  OperandPlan x;
+  DType x_dtype = DType::f32;
+  TensorView dcos, dsin;  // empty when not wanted
+  std::int64_t dcos_outer[kMaxRank] = {}, dsin_outer[kMaxRank] = {};
+  float* da = nullptr;
+  float* db = nullptr;
+};
+
+BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
+                           const ConstTensorView& grad, const ConstTensorView& x,
+                           const Gradients& out);
+
+// Fills `cos`/`sin` (rotary_dim fp32 each) with the table row of outer index `outer` (a multi
+// index of plan.outer_count entries) and returns pointers to use (the buffers, or the table
+// itself when it is already fp32, full width and contiguous).
+struct TableRow {
+  const float* cos;
+  const float* sin;
+};
+TableRow load_table_row(const ForwardPlan& plan, const std::int64_t* outer, float* cos,
+                        float* sin);
+
+}  // namespace rome::detail

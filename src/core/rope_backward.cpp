@@ -1,0 +1,193 @@
+// Backward of y = (x·A) ⊙ C + (x·B) ⊙ S with the general formulas (no sin negation), portable
+// code: gradients are computed once per training step, not per decode token.
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+#include "convert.hpp"
+#include "dispatch.hpp"
+#include "plan.hpp"
+#include "rome/rope.hpp"
+#include "thread_pool.hpp"
+#include "walk.hpp"
+
+namespace rome {
+namespace {
+
+using detail::BackwardPlan;
+using detail::RotationData;
+
+struct RowMath {
+  const RotationData& r;
+  // out[j] = (v·M)[j] for M = A (which = 0) or B (which = 1).
+  void forward_term(int which, const float* v, float* out) const {
+    const std::int64_t rd = r.rotary_dim;
+    if (which == 0 && r.a_identity) {
+      std::copy(v, v + rd, out);
+    } else if (r.kind == Rotation::Kind::signed_permutation) {
+      const detail::SignedPermutation& p = which == 0 ? r.a : r.b;
+      for (std::int64_t j = 0; j < rd; ++j) out[j] = p.sign[j] ? float(p.sign[j]) * v[p.src[j]] : 0.0f;
+    } else {
+      const float* m = which == 0 ? r.dense_a.data() : r.dense_b.data();
+      for (std::int64_t j = 0; j < rd; ++j) {
+        double acc = 0;
+        for (std::int64_t i = 0; i < rd; ++i) acc += double(v[i]) * m[i * rd + j];
+        out[j] = float(acc);
+      }
+    }
+  }
+  // out[i] += (u·Mᵀ)[i].
+  void add_transposed_term(int which, const float* u, float* out) const {
+    const std::int64_t rd = r.rotary_dim;
+    if (which == 0 && r.a_identity) {
+      for (std::int64_t i = 0; i < rd; ++i) out[i] += u[i];
+    } else if (r.kind == Rotation::Kind::signed_permutation) {
+      const detail::SignedPermutation& p = which == 0 ? r.a_t : r.b_t;
+      for (std::int64_t i = 0; i < rd; ++i)
+        if (p.sign[i]) out[i] += float(p.sign[i]) * u[p.src[i]];
+    } else {
+      const float* m = which == 0 ? r.dense_a.data() : r.dense_b.data();
+      for (std::int64_t i = 0; i < rd; ++i) {
+        double acc = 0;
+        for (std::int64_t j = 0; j < rd; ++j) acc += double(u[j]) * m[i * rd + j];
+        out[i] += float(acc);
+      }
+    }
+  }
+};
+
+struct Scratch {
+  std::vector<float> cos, sin, g, x, u, v, dx, xa, xb;
+  std::vector<double> dc, ds;
+  void reserve(std::int64_t hd) {
+    for (auto* b : {&cos, &sin, &g, &x, &u, &v, &dx, &xa, &xb}) b->resize(hd);
+    dc.resize(hd);
+    ds.resize(hd);
+  }
+};
+
+void load_row(const char* base, DType dtype, std::int64_t offset, std::int64_t n, float* out) {
+  const char* row = base + offset * dtype_size(dtype);
+  for (std::int64_t j = 0; j < n; ++j) out[j] = detail::load_any(row, dtype, j);
+}
+
+void store_table_gradient(const TensorView& d, const std::int64_t* outer_strides,
+                          const std::int64_t* outer, int outer_count, TableWidth width,
+                          const double* lanes, std::int64_t rd) {
+  if (!d.data) return;
+  const std::int64_t columns = d.shape[d.rank - 1], lane = d.strides[d.rank - 1];
+  std::int64_t offset = 0;
+  for (int i = 0; i < outer_count; ++i) offset += outer[i] * outer_strides[i];
+  char* row = static_cast<char*>(d.data) + offset * dtype_size(d.dtype);
+  std::vector<double> sums(columns, 0.0);  // several lanes share a column in half-width tables
+  for (std::int64_t j = 0; j < rd; ++j)
+    sums[width == TableWidth::full ? j : width == TableWidth::halves ? j % columns : j / 2] +=
+        lanes[j];
+  for (std::int64_t c = 0; c < columns; ++c)
+    detail::store_any(row, d.dtype, c * lane, float(sums[c]));
+}
+
+// Processes outer indices [begin, end); accumulates dA/dB into `da`/`db` (rd×rd doubles).
+void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end, double* da,
+                    double* db) {
+  const detail::ForwardPlan& plan = bp.forward;
+  const RotationData& r = *plan.rotation;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  const RowMath math{r};
+  thread_local Scratch s;
+  s.reserve(hd);
+  const bool want_tables = bp.dcos.data || bp.dsin.data;
+  const bool want_x = want_tables || da || db;
+  std::int64_t outer[kMaxRank];
+  for (std::int64_t item = begin; item < end; ++item) {
+    detail::unravel(item, plan.outer_size, plan.outer_count, outer);
+    const detail::TableRow t = detail::load_table_row(plan, outer, s.cos.data(), s.sin.data());
+    std::int64_t g_off = 0, dx_off = 0, x_off = 0;
+    for (int i = 0; i < plan.outer_count; ++i) {
+      g_off += outer[i] * plan.q.outer_in[i];
+      dx_off += outer[i] * plan.q.outer_out[i];
+      x_off += outer[i] * bp.x.outer_in[i];
+    }
+    std::fill(s.dc.begin(), s.dc.end(), 0.0);
+    std::fill(s.ds.begin(), s.ds.end(), 0.0);
+    std::vector<std::int64_t> x_rows;
+    if (want_x)
+      detail::walk_rows(bp.x.inner, 0, bp.x.inner.rows,
+                        [&](std::int64_t in, std::int64_t) { x_rows.push_back(in); });
+    std::int64_t row = 0;
+    detail::walk_rows(plan.q.inner, 0, plan.q.inner.rows, [&](std::int64_t in, std::int64_t out) {
+      load_row(plan.q.in_base, plan.dtype, g_off + in, hd, s.g.data());
+      for (std::int64_t j = 0; j < rd; ++j) {
+        s.u[j] = s.g[j] * t.cos[j];
+        s.v[j] = s.g[j] * t.sin[j];
+      }
+      if (bp.want_dx) {
+        std::fill(s.dx.begin(), s.dx.begin() + rd, 0.0f);
+        math.add_transposed_term(0, s.u.data(), s.dx.data());
+        math.add_transposed_term(1, s.v.data(), s.dx.data());
+        for (std::int64_t j = rd; j < hd; ++j) s.dx[j] = s.g[j];  // pass-through lanes
+        char* dx = plan.q.out_base + (dx_off + out) * dtype_size(plan.dtype);
+        for (std::int64_t j = 0; j < hd; ++j) detail::store_any(dx, plan.dtype, j, s.dx[j]);
+      }
+      if (want_x) {
+        load_row(bp.x.in_base, bp.x_dtype, x_off + x_rows[row], rd, s.x.data());
+        if (want_tables) {
+          math.forward_term(0, s.x.data(), s.xa.data());
+          math.forward_term(1, s.x.data(), s.xb.data());
+          for (std::int64_t j = 0; j < rd; ++j) {
+            s.dc[j] += double(s.g[j]) * s.xa[j];
+            s.ds[j] += double(s.g[j]) * s.xb[j];
+          }
+        }
+        for (std::int64_t i = 0; da && i < rd; ++i)
+          for (std::int64_t j = 0; j < rd; ++j) da[i * rd + j] += double(s.x[i]) * s.u[j];
+        for (std::int64_t i = 0; db && i < rd; ++i)
+          for (std::int64_t j = 0; j < rd; ++j) db[i * rd + j] += double(s.x[i]) * s.v[j];
+      }
+      ++row;
+    });
+    store_table_gradient(bp.dcos, bp.dcos_outer, outer, plan.outer_count, plan.tables.width,
+                         s.dc.data(), rd);
+    store_table_gradient(bp.dsin, bp.dsin_outer, outer, plan.outer_count, plan.tables.width,
+                         s.ds.data(), rd);
+  }
+}
+
+}  // namespace
+
+void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTensorView& grad,
+                   const ConstTensorView& x, const Gradients& out, const ExecOptions& options) {
+  detail::check_environment();
+  const BackwardPlan bp = detail::plan_backward(rotation, tables, grad, x, out);
+  const std::int64_t rd = rotation.rotary_dim();
+  const std::int64_t items = bp.forward.outer_total;
+  int threads = detail::resolve_threads(options.num_threads);
+  if (bp.forward.bytes_moved < 256 * 1024) threads = 1;
+  if (!out.da && !out.db) {
+    detail::parallel_for(items, threads, [&](std::int64_t b, std::int64_t e) {
+      backward_range(bp, b, e, nullptr, nullptr);
+    });
+    return;
+  }
+  // dA/dB: fixed chunks summed in order, so results do not depend on the thread count.
+  const std::int64_t matrix = rd * rd;
+  const std::int64_t budget = std::max<std::int64_t>(1, (std::int64_t(64) << 20) / (16 * matrix));
+  const std::int64_t chunks = std::max<std::int64_t>(1, std::min({items, std::int64_t(64), budget}));
+  std::vector<double> partial_a(out.da ? chunks * matrix : 0), partial_b(out.db ? chunks * matrix : 0);
+  detail::parallel_for(chunks, std::min<std::int64_t>(threads, chunks), [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t c = b; c < e; ++c)
+      backward_range(bp, items * c / chunks, items * (c + 1) / chunks,
+                     out.da ? partial_a.data() + c * matrix : nullptr,
+                     out.db ? partial_b.data() + c * matrix : nullptr);
+  });
+  for (auto [dst, partial] : {std::pair{out.da, &partial_a}, std::pair{out.db, &partial_b}}) {
+    if (!dst) continue;
+    for (std::int64_t e = 0; e < matrix; ++e) {
+      double sum = 0;
+      for (std::int64_t c = 0; c < chunks; ++c) sum += (*partial)[c * matrix + e];
+      dst[e] = float(sum);
+    }
+  }
+}
+
+}  // namespace rome

@@ -1,0 +1,326 @@
+#include "rome/rotation.hpp"
+
+#include <cmath>
+#include <string>
+
+#include "rome/error.hpp"
+#include "rotation_data.hpp"
+
+namespace rome {
+namespace detail {
+
+SignedPermutation SignedPermutation::identity(std::int64_t dim) {
+  SignedPermutation p;
+  p.src.resize(dim);
+  p.sign.assign(dim, 1);
+  for (std::int64_t j = 0; j < dim; ++j) p.src[j] = std::int32_t(j);
+  return p;
+}
+
+SignedPermutation SignedPermutation::transposed() const {
+  const std::size_t dim = src.size();
+  SignedPermutation t;
+  t.src.assign(dim, 0);
+  t.sign.assign(dim, 0);
+  for (std::size_t j = 0; j < dim; ++j) {
+    if (sign[j] == 0) continue;
+    t.src[src[j]] = std::int32_t(j);
+    t.sign[src[j]] = sign[j];
+  }
+  return t;
+}
+
+bool SignedPermutation::is_identity() const {
+  for (std::size_t j = 0; j < src.size(); ++j)
+    if (sign[j] != 1 || src[j] != std::int32_t(j)) return false;
+  return true;
+}
+
+VectorPermutePlan VectorPermutePlan::build(const SignedPermutation& perm, int width,
+                                           bool two_sources) {
+  VectorPermutePlan plan;
+  const std::int64_t dim = std::int64_t(perm.src.size());
+  plan.width = width;
+  plan.vectors = (dim + width - 1) / width;
+  plan.sign_bits.assign(plan.vectors * width, 0u);
+  plan.keep_bits.assign(plan.vectors * width, 0u);
+  plan.step_begin.push_back(0);
+  for (std::int64_t v = 0; v < plan.vectors; ++v) {
+    // Source vectors this output vector reads, in first-use order.
+    std::vector<std::int32_t> sources;
+    for (int l = 0; l < width; ++l) {
+      const std::int64_t j = v * width + l;
+      if (j >= dim || perm.sign[j] == 0) continue;
+      plan.keep_bits[j] = 0xffffffffu;
+      if (perm.sign[j] < 0) plan.sign_bits[j] = 0x80000000u;
+      const std::int32_t s = perm.src[j] / width;
+      bool seen = false;
+      for (auto x : sources) seen |= x == s;
+      if (!seen) sources.push_back(s);
+    }
+    const std::size_t per_step = two_sources ? 2 : 1;
+    for (std::size_t first = 0; first < sources.size(); first += per_step) {
+      PermuteStep step;
+      step.src0 = sources[first];
+      step.src1 = first + 1 < sources.size() && two_sources ? sources[first + 1] : step.src0;
+      for (int l = 0; l < width; ++l) {
+        const std::int64_t j = v * width + l;
+        if (j >= dim || perm.sign[j] == 0) continue;
+        const std::int32_t s = perm.src[j] / width, lane = perm.src[j] % width;
+        if (s == step.src0) {
+          step.idx[l] = lane;
+        } else if (two_sources && s == step.src1) {
+          step.idx[l] = lane + width;
+        } else {
+          continue;
+        }
+        step.lanes |= 1u << l;
+      }
+      plan.steps.push_back(step);
+    }
+    plan.step_begin.push_back(std::int32_t(plan.steps.size()));
+  }
+  return plan;
+}
+
+}  // namespace detail
+
+namespace {
+
+using detail::RotationData;
+using detail::SignedPermutation;
+
+void require_dim(const char* argument, std::int64_t dim, std::int64_t multiple) {
+  if (dim <= 0 || dim % multiple != 0 || dim > (std::int64_t(1) << 24))
+    fail(Status::invalid_argument, argument,
+         "a positive multiple of " + std::to_string(multiple) + " (at most 2^24)",
+         std::to_string(dim));
+}
+
+void finish_permutation(RotationData& d) {
+  d.kind = Rotation::Kind::signed_permutation;
+  d.a_identity = d.a.is_identity();
+  d.a_t = d.a.transposed();
+  d.b_t = d.b.transposed();
+  auto plans = [&](int width, bool two) {
+    return detail::PermutePlans{detail::VectorPermutePlan::build(d.a, width, two),
+                                detail::VectorPermutePlan::build(d.b, width, two),
+                                detail::VectorPermutePlan::build(d.a_t, width, two),
+                                detail::VectorPermutePlan::build(d.b_t, width, two)};
+  };
+  d.avx2 = plans(8, false);
+  d.avx512 = plans(16, true);
+}
+
+std::shared_ptr<RotationData> permutation_rotation(std::int64_t dim, SignedPermutation a,
+                                                   SignedPermutation b) {
+  auto d = std::make_shared<RotationData>();
+  d->head_dim = d->rotary_dim = dim;
+  d->a = std::move(a);
+  d->b = std::move(b);
+  finish_permutation(*d);
+  return d;
+}
+
+SignedPermutation half_permutation(std::int64_t dim, std::int64_t offset = 0) {
+  SignedPermutation b;
+  b.src.resize(dim);
+  b.sign.resize(dim);
+  const std::int64_t h = dim / 2;
+  for (std::int64_t j = 0; j < dim; ++j) {
+    b.src[j] = std::int32_t(offset + (j < h ? j + h : j - h));
+    b.sign[j] = j < h ? -1 : 1;
+  }
+  return b;
+}
+
+// Reads a dense matrix as a signed permutation when every column holds at most one ±1 and
+// every row is read at most once (so its transpose is one too); otherwise returns false.
+bool as_signed_permutation(std::span<const float> m, std::int64_t dim, SignedPermutation& out) {
+  out.src.assign(dim, 0);
+  out.sign.assign(dim, 0);
+  std::vector<char> row_used(dim, 0);
+  for (std::int64_t j = 0; j < dim; ++j) {
+    for (std::int64_t i = 0; i < dim; ++i) {
+      const float v = m[i * dim + j];
+      if (v == 0.0f) continue;
+      if ((v != 1.0f && v != -1.0f) || out.sign[j] != 0 || row_used[i]) return false;
+      out.src[j] = std::int32_t(i);
+      out.sign[j] = v > 0 ? 1 : -1;
+      row_used[i] = 1;
+    }
+  }
+  return true;
+}
+
+std::vector<float> permutation_to_dense(const SignedPermutation& p) {
+  const std::int64_t dim = std::int64_t(p.src.size());
+  std::vector<float> m(dim * dim, 0.0f);
+  for (std::int64_t j = 0; j < dim; ++j)
+    if (p.sign[j] != 0) m[p.src[j] * dim + j] = float(p.sign[j]);
+  return m;
+}
+
+void require_matrix(const char* argument, std::span<const float> m, std::int64_t dim) {
+  require_dim("dim", dim, 1);
+  if (std::int64_t(m.size()) != dim * dim)
+    fail(Status::invalid_argument, argument,
+         std::to_string(dim * dim) + " values (a " + std::to_string(dim) + "x" +
+             std::to_string(dim) + " matrix)",
+         std::to_string(m.size()) + " values");
+  for (float v : m)
+    if (!std::isfinite(v))
+      fail(Status::invalid_argument, argument, "finite entries", "a NaN or infinite entry");
+}
+
+}  // namespace
+
+Rotation Rotation::half(std::int64_t dim) {
+  require_dim("dim", dim, 2);
+  return Rotation(permutation_rotation(dim, SignedPermutation::identity(dim),
+                                       half_permutation(dim)));
+}
+
+Rotation Rotation::interleave(std::int64_t dim) {
+  require_dim("dim", dim, 2);
+  SignedPermutation b;
+  b.src.resize(dim);
+  b.sign.resize(dim);
+  for (std::int64_t j = 0; j < dim; j += 2) {
+    b.src[j] = std::int32_t(j + 1);
+    b.sign[j] = -1;
+    b.src[j + 1] = std::int32_t(j);
+    b.sign[j + 1] = 1;
+  }
+  return Rotation(permutation_rotation(dim, SignedPermutation::identity(dim), std::move(b)));
+}
+
+Rotation Rotation::quarter(std::int64_t dim) {
+  require_dim("dim", dim, 4);
+  SignedPermutation b;
+  for (std::int64_t offset = 0; offset < dim; offset += dim / 2) {
+    SignedPermutation h = half_permutation(dim / 2, offset);
+    b.src.insert(b.src.end(), h.src.begin(), h.src.end());
+    b.sign.insert(b.sign.end(), h.sign.begin(), h.sign.end());
+  }
+  return Rotation(permutation_rotation(dim, SignedPermutation::identity(dim), std::move(b)));
+}
+
+Rotation Rotation::interleave_half(std::int64_t dim) {
+  require_dim("dim", dim, 2);
+  // Output lane j holds de-interleaved lane d(j): evens first, then odds. With z = x·A the
+  // de-interleaved head, y = z ⊙ C + rotate_half(z) ⊙ S, so B = A · half.
+  const std::int64_t h = dim / 2;
+  SignedPermutation a = SignedPermutation::identity(dim);
+  for (std::int64_t j = 0; j < dim; ++j) a.src[j] = std::int32_t(j < h ? 2 * j : 2 * (j - h) + 1);
+  SignedPermutation half = half_permutation(dim), b;
+  b.src.resize(dim);
+  b.sign.resize(dim);
+  for (std::int64_t j = 0; j < dim; ++j) {
+    b.src[j] = a.src[half.src[j]];
+    b.sign[j] = half.sign[j];
+  }
+  return Rotation(permutation_rotation(dim, std::move(a), std::move(b)));
+}
+
+Rotation Rotation::dense(std::span<const float> b, std::int64_t dim) {
+  require_matrix("b", b, dim);
+  return dense(permutation_to_dense(SignedPermutation::identity(dim)), b, dim);
+}
+
+Rotation Rotation::dense(std::span<const float> a, std::span<const float> b, std::int64_t dim) {
+  require_matrix("b", b, dim);
+  require_matrix("a", a, dim);
+  SignedPermutation pa, pb;
+  if (as_signed_permutation(a, dim, pa) && as_signed_permutation(b, dim, pb))
+    return Rotation(permutation_rotation(dim, std::move(pa), std::move(pb)));
+  auto d = std::make_shared<RotationData>();
+  d->head_dim = d->rotary_dim = dim;
+  d->kind = Kind::dense;
+  d->a_identity = a.size() == 0 || permutation_to_dense(SignedPermutation::identity(dim)) ==
+                                       std::vector<float>(a.begin(), a.end());
+  if (!d->a_identity) d->dense_a.assign(a.begin(), a.end());
+  d->dense_b.assign(b.begin(), b.end());
+  return Rotation(std::move(d));
+}
+
+Rotation Rotation::block_diag(std::initializer_list<Rotation> blocks) {
+  return block_diag(std::span<const Rotation>(blocks.begin(), blocks.size()));
+}
+
+Rotation Rotation::block_diag(std::span<const Rotation> blocks) {
+  if (blocks.empty()) fail(Status::invalid_argument, "blocks", "at least one block", "none");
+  std::int64_t dim = 0;
+  bool all_permutations = true;
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
+    const RotationData& b = blocks[i].data();
+    if (b.rotary_dim != b.head_dim)
+      fail(Status::invalid_argument, "blocks[" + std::to_string(i) + "]",
+           "a full (non-partial) rotation",
+           "a partial rotation of " + std::to_string(b.rotary_dim) + " of " +
+               std::to_string(b.head_dim) + " lanes");
+    all_permutations &= b.kind == Kind::signed_permutation;
+    dim += b.head_dim;
+  }
+  require_dim("block_diag dimension", dim, 1);
+  if (all_permutations) {
+    SignedPermutation a, b;
+    std::int32_t offset = 0;
+    for (const Rotation& r : blocks) {
+      const RotationData& d = r.data();
+      for (std::size_t j = 0; j < d.a.src.size(); ++j) {
+        a.src.push_back(d.a.src[j] + offset);
+        a.sign.push_back(d.a.sign[j]);
+        b.src.push_back(d.b.src[j] + offset);
+        b.sign.push_back(d.b.sign[j]);
+      }
+      offset += std::int32_t(d.head_dim);
+    }
+    return Rotation(permutation_rotation(dim, std::move(a), std::move(b)));
+  }
+  std::vector<float> a(dim * dim, 0.0f), b(dim * dim, 0.0f);
+  std::int64_t offset = 0;
+  for (const Rotation& r : blocks) {
+    const std::int64_t n = r.head_dim();
+    const std::vector<float> ba = r.to_dense_a(), bb = r.to_dense_b();
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < n; ++j) {
+        a[(offset + i) * dim + offset + j] = ba[i * n + j];
+        b[(offset + i) * dim + offset + j] = bb[i * n + j];
+      }
+    offset += n;
+  }
+  return dense(a, b, dim);
+}
+
+Rotation Rotation::partial(std::int64_t head_dim) const {
+  if (data_->rotary_dim != data_->head_dim)
+    fail(Status::invalid_argument, "rotation", "a full rotation to make partial",
+         "a rotation that is already partial");
+  if (head_dim < data_->rotary_dim || head_dim % 2 != 0 || head_dim > (std::int64_t(1) << 24))
+    fail(Status::invalid_argument, "head_dim",
+         "an even size of at least rotary_dim " + std::to_string(data_->rotary_dim),
+         std::to_string(head_dim));
+  auto d = std::make_shared<RotationData>(*data_);
+  d->head_dim = head_dim;
+  return Rotation(std::move(d));
+}
+
+std::int64_t Rotation::head_dim() const noexcept { return data_->head_dim; }
+std::int64_t Rotation::rotary_dim() const noexcept { return data_->rotary_dim; }
+Rotation::Kind Rotation::kind() const noexcept { return data_->kind; }
+bool Rotation::a_is_identity() const noexcept { return data_->a_identity; }
+
+std::vector<float> Rotation::to_dense_a() const {
+  if (data_->kind == Kind::signed_permutation) return permutation_to_dense(data_->a);
+  if (data_->a_identity)
+    return permutation_to_dense(SignedPermutation::identity(data_->rotary_dim));
+  return data_->dense_a;
+}
+
+std::vector<float> Rotation::to_dense_b() const {
+  if (data_->kind == Kind::signed_permutation) return permutation_to_dense(data_->b);
+  return data_->dense_b;
+}
+
+}  // namespace rome

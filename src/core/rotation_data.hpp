@@ -1,0 +1,63 @@
+// What a Rotation holds after analysis; shared by the core and every kernel.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "rome/rotation.hpp"
+
+namespace rome::detail {
+
+// A signed partial permutation: output lane j reads lane src[j] times sign[j] (sign 0: nothing).
+struct SignedPermutation {
+  std::vector<std::int32_t> src;
+  std::vector<std::int8_t> sign;
+
+  static SignedPermutation identity(std::int64_t dim);
+  SignedPermutation transposed() const;  // valid when every lane is read at most once
+  bool is_identity() const;
+};
+
+// A signed permutation split into SIMD vectors of `width` lanes. Output vector v is built by the
+// steps [step_begin[v], step_begin[v+1]): each permutes source vectors src0 (and src1, for
+// two-source permutes such as vpermt2ps) with idx and blends the result into the lanes it owns.
+// Lane indices in idx are < width, or in [width, 2·width) when they read src1.
+struct PermuteStep {
+  std::int32_t src0 = 0;
+  std::int32_t src1 = 0;
+  std::uint32_t lanes = 0;  // bit l: this step fills output lane l
+  std::int32_t idx[16] = {};
+};
+
+struct VectorPermutePlan {
+  int width = 0;
+  std::int64_t vectors = 0;
+  std::vector<std::int32_t> step_begin;
+  std::vector<PermuteStep> steps;
+  std::vector<std::uint32_t> sign_bits;  // 0x80000000 on lanes whose sign is negative
+  std::vector<std::uint32_t> keep_bits;  // 0xFFFFFFFF on lanes that have a source
+
+  static VectorPermutePlan build(const SignedPermutation& perm, int width, bool two_sources);
+};
+
+struct PermutePlans {
+  VectorPermutePlan a, b;      // forward: x·A, x·B
+  VectorPermutePlan a_t, b_t;  // backward: v·Aᵀ, v·Bᵀ
+};
+
+struct RotationData {
+  std::int64_t head_dim = 0;
+  std::int64_t rotary_dim = 0;
+  Rotation::Kind kind = Rotation::Kind::signed_permutation;
+  bool a_identity = true;
+
+  // kind == signed_permutation
+  SignedPermutation a, b, a_t, b_t;
+  PermutePlans avx2;    // 8 lanes, one source per step
+  PermutePlans avx512;  // 16 lanes, two sources per step
+
+  // kind == dense: rotary_dim × rotary_dim row-major; dense_a is empty when A = I.
+  std::vector<float> dense_a, dense_b;
+};
+
+}  // namespace rome::detail

@@ -1,0 +1,42 @@
+// Index walking shared by the forward and backward executors.
+#pragma once
+
+#include <cstdint>
+
+#include "plan.hpp"
+
+namespace rome::detail {
+
+constexpr int kRowBatch = 64;  // rows handed to a kernel per call
+
+inline void unravel(std::int64_t index, const std::int64_t* size, int count, std::int64_t* out) {
+  for (int i = count - 1; i >= 0; --i) {
+    out[i] = index % size[i];
+    index /= size[i];
+  }
+}
+
+// Calls f(in_offset, out_offset) (elements) for inner rows [begin, end) in row-major order.
+template <typename F>
+void walk_rows(const InnerAxes& axes, std::int64_t begin, std::int64_t end, F&& f) {
+  std::int64_t idx[kMaxRank] = {};
+  unravel(begin, axes.size, axes.count, idx);
+  std::int64_t in = 0, out = 0;
+  for (int i = 0; i < axes.count; ++i) {
+    in += idx[i] * axes.in_stride[i];
+    out += idx[i] * axes.out_stride[i];
+  }
+  for (std::int64_t r = begin; r < end; ++r) {
+    f(in, out);
+    for (int i = axes.count - 1; i >= 0; --i) {
+      in += axes.in_stride[i];
+      out += axes.out_stride[i];
+      if (++idx[i] < axes.size[i]) break;
+      in -= axes.in_stride[i] * axes.size[i];
+      out -= axes.out_stride[i] * axes.size[i];
+      idx[i] = 0;
+    }
+  }
+}
+
+}  // namespace rome::detail

@@ -1,0 +1,86 @@
+// Portable kernels: the fallback on every CPU and the reference the SIMD kernels must match bit
+// for bit (same operation order: t = xa·cos rounded, then y = fma(xb, sin, t)).
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "../../core/convert.hpp"
+#include "../kernel_api.hpp"
+
+namespace rome::kernels {
+namespace {
+
+using detail::RotationData;
+
+template <DType D>
+void forward_permute(const RotationData& r, const ForwardBatch& batch) {
+  using T = typename detail::Storage<D>::type;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  thread_local std::vector<float> row;
+  if (std::int64_t(row.size()) < rd) row.resize(rd);
+  float* xf = row.data();
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    for (std::int64_t j = 0; j < rd; ++j) xf[j] = detail::load_float<D>(x + j);
+    for (std::int64_t j = 0; j < rd; ++j) {
+      const float xa = r.a_identity ? xf[j] : float(r.a.sign[j]) * xf[r.a.src[j]];
+      const float xb = r.b.sign[j] == 0 ? 0.0f : float(r.b.sign[j]) * xf[r.b.src[j]];
+      detail::store_float<D>(y + j, std::fma(xb, batch.sin[j], xa * batch.cos[j]));
+    }
+    if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
+  }
+}
+
+template <DType D>
+void forward_dense(const RotationData& r, const ForwardBatch& batch) {
+  using T = typename detail::Storage<D>::type;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  thread_local std::vector<float> row;
+  if (std::int64_t(row.size()) < rd) row.resize(rd);
+  float* xf = row.data();
+  const float* a = r.dense_a.data();
+  const float* b = r.dense_b.data();
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    for (std::int64_t j = 0; j < rd; ++j) xf[j] = detail::load_float<D>(x + j);
+    for (std::int64_t j = 0; j < rd; ++j) {
+      float xa = 0.0f, xb = 0.0f;
+      for (std::int64_t i = 0; i < rd; ++i) {
+        if (!r.a_identity) xa = std::fma(xf[i], a[i * rd + j], xa);
+        xb = std::fma(xf[i], b[i * rd + j], xb);
+      }
+      if (r.a_identity) xa = xf[j];
+      detail::store_float<D>(y + j, std::fma(xb, batch.sin[j], xa * batch.cos[j]));
+    }
+    if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
+  }
+}
+
+void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
+  switch (b.dtype) {
+    case DType::f32: return forward_permute<DType::f32>(r, b);
+    case DType::f16: return forward_permute<DType::f16>(r, b);
+    case DType::bf16: return forward_permute<DType::bf16>(r, b);
+    default: return;
+  }
+}
+
+void forward_dense_any(const RotationData& r, const ForwardBatch& b) {
+  switch (b.dtype) {
+    case DType::f32: return forward_dense<DType::f32>(r, b);
+    case DType::f16: return forward_dense<DType::f16>(r, b);
+    case DType::bf16: return forward_dense<DType::bf16>(r, b);
+    default: return;
+  }
+}
+
+}  // namespace
+
+const KernelTable& scalar_kernels() {
+  static const KernelTable table{"scalar", forward_permute_any, forward_dense_any};
+  return table;
+}
+
+}  // namespace rome::kernels
