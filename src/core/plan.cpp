@@ -100,33 +100,42 @@ bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_siz
     return false;
   if (a.rank != b.rank || (abytes - bbytes) % element_size != 0) return true;
   const int64_t delta = (bbytes - abytes) / element_size;
-  int64_t shared_stride[kMaxRank], shared_size[kMaxRank];
-  int shared = 0;
-  ConstTensorView ra, rb;
-  for (int i = 0; i < a.rank; ++i) {
-    if (a.shape[i] == b.shape[i] && a.strides[i] == b.strides[i] && a.strides[i] > 0 &&
-        a.shape[i] > 1) {
-      shared_stride[shared] = a.strides[i];
-      shared_size[shared++] = a.shape[i];
-      continue;
+  // Candidates: axes with equal size and equal positive stride. One whose stride does not clear
+  // the window covered by the other axes goes back to the residual, until none is left to move.
+  bool shared[kMaxRank] = {};
+  for (int i = 0; i < a.rank; ++i)
+    shared[i] = a.shape[i] == b.shape[i] && a.strides[i] == b.strides[i] && a.strides[i] > 0 &&
+                a.shape[i] > 1;
+  int64_t window = 0;
+  for (;;) {
+    ConstTensorView ra, rb;
+    for (int i = 0; i < a.rank; ++i) {
+      if (shared[i]) continue;
+      ra.shape[ra.rank] = a.shape[i];
+      ra.strides[ra.rank++] = a.strides[i];
+      rb.shape[rb.rank] = b.shape[i];
+      rb.strides[rb.rank++] = b.strides[i];
     }
-    ra.shape[ra.rank] = a.shape[i];
-    ra.strides[ra.rank++] = a.strides[i];
-    rb.shape[rb.rank] = b.shape[i];
-    rb.strides[rb.rank++] = b.strides[i];
+    element_span(ra, alo, ahi);
+    element_span(rb, blo, bhi);
+    window = std::max(ahi, delta + bhi) - std::min(alo, delta + blo);
+    int smallest = -1;
+    for (int i = 0; i < a.rank; ++i)
+      if (shared[i] && (smallest < 0 || a.strides[i] < a.strides[smallest])) smallest = i;
+    if (smallest < 0) return true;  // nothing shared: the spans already intersect
+    if (a.strides[smallest] >= window) break;
+    shared[smallest] = false;
   }
-  if (shared == 0) return true;
-  element_span(ra, alo, ahi);
-  element_span(rb, blo, bhi);
-  const int64_t window = std::max(ahi, delta + bhi) - std::min(alo, delta + blo);
-  for (int i = 0; i < shared; ++i)
-    for (int j = i + 1; j < shared; ++j)
-      if (shared_stride[j] < shared_stride[i])
-        std::swap(shared_stride[i], shared_stride[j]), std::swap(shared_size[i], shared_size[j]);
-  int64_t reach = window;  // what one index of the smaller shared axes covers
-  for (int i = 0; i < shared; ++i) {
-    if (shared_stride[i] < reach) return true;
-    reach += shared_stride[i] * (shared_size[i] - 1);
+  // The shared axes form a lattice whose cells (one window each) never meet.
+  int64_t reach = window;
+  for (int pass = 0; pass < a.rank; ++pass) {
+    int next = -1;
+    for (int i = 0; i < a.rank; ++i)
+      if (shared[i] && (next < 0 || a.strides[i] < a.strides[next])) next = i;
+    if (next < 0) break;
+    if (a.strides[next] < reach) return true;
+    reach += a.strides[next] * (a.shape[next] - 1);
+    shared[next] = false;
   }
   return ahi > delta + blo && delta + bhi > alo;
 }

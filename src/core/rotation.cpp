@@ -162,7 +162,7 @@ std::vector<float> permutation_to_dense(const SignedPermutation& p) {
 }
 
 void require_matrix(const char* argument, std::span<const float> m, std::int64_t dim) {
-  require_dim("dim", dim, 1);
+  require_dim("dim", dim, 2);
   if (std::int64_t(m.size()) != dim * dim)
     fail(Status::invalid_argument, argument,
          std::to_string(dim * dim) + " values (a " + std::to_string(dim) + "x" +
@@ -262,7 +262,7 @@ Rotation Rotation::block_diag(std::span<const Rotation> blocks) {
     all_permutations &= b.kind == Kind::signed_permutation;
     dim += b.head_dim;
   }
-  require_dim("block_diag dimension", dim, 1);
+  require_dim("blocks (total dimension)", dim, 2);
   if (all_permutations) {
     SignedPermutation a, b;
     std::int32_t offset = 0;

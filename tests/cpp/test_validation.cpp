@@ -1,0 +1,415 @@
+// One test per validation error: the message names the argument, what was expected and what was
+// given, and no output byte changes.
+#include <gtest/gtest.h>
+
+#include <climits>
+#include <functional>
+#include <random>
+
+#include "reference.hpp"
+#include "rome/rome.hpp"
+
+namespace rome::testing {
+namespace {
+
+// A valid call (x [2, 3, 4, 8] bf16, half rotation, tables [4, 8] fp32) that each test breaks
+// in one way.
+struct Call {
+  Rotation rotation = Rotation::half(8);
+  TestTensor x = TestTensor::make(DType::bf16, {2, 3, 4, 8});
+  TestTensor out = TestTensor::make(DType::bf16, {2, 3, 4, 8});
+  TestTensor k = TestTensor::make(DType::bf16, {2, 1, 4, 8});
+  TestTensor k_out = TestTensor::make(DType::bf16, {2, 1, 4, 8});
+  TestTables tables;
+  ConstTensorView x_view;
+  TensorView out_view;
+  Tables t;
+  bool with_k = false;
+  ConstTensorView k_view;
+  TensorView k_out_view;
+
+  Call() {
+    std::mt19937_64 rng(3);
+    x.fill_random(rng, -1, 1);
+    k.fill_random(rng, -1, 1);
+    tables.cos = TestTensor::make(DType::f32, {4, 8});
+    tables.sin = TestTensor::make(DType::f32, {4, 8});
+    tables.cos.fill_random(rng, -1, 1);
+    tables.sin.fill_random(rng, -1, 1);
+    x_view = x.cview();
+    out_view = out.view();
+    k_view = k.cview();
+    k_out_view = k_out.view();
+    t = tables.view();
+  }
+  void use_cache(DType positions_dtype, std::int64_t cache_rows) {
+    tables.cos = TestTensor::make(DType::f32, {cache_rows, 8});
+    tables.sin = TestTensor::make(DType::f32, {cache_rows, 8});
+    tables.cos.fill([](const auto&) { return 0.5; });
+    tables.sin.fill([](const auto&) { return 0.25; });
+    tables.positions = TestTensor::make(positions_dtype, {2, 1, 4});
+    tables.positions.fill([&](const auto& i) { return double(i[2] % cache_rows); });
+    t = tables.view();
+  }
+  void run() {
+    if (with_k) {
+      const Operand ko{k_view, k_out_view};
+      rope_forward(rotation, t, Operand{x_view, out_view}, &ko);
+    } else {
+      rope_forward(rotation, t, Operand{x_view, out_view});
+    }
+  }
+};
+
+// Runs the call, expects rome::Error with `status` naming `argument` and containing every piece
+// of `fragments`, and checks that no output was written.
+void expect_error(Call& call, Status status, const std::string& argument,
+                  std::initializer_list<std::string> fragments) {
+  const auto out_before = call.out.storage, x_before = call.x.storage,
+             k_before = call.k.storage, k_out_before = call.k_out.storage;
+  try {
+    call.run();
+    ADD_FAILURE() << "no error raised; expected one naming " << argument;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), status) << e.what();
+    EXPECT_EQ(e.argument(), argument) << e.what();
+    const std::string message = e.what();
+    EXPECT_NE(message.find("rome: " + argument + ": expected "), std::string::npos) << message;
+    EXPECT_NE(message.find(", got "), std::string::npos) << message;
+    for (const auto& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message << " lacks " << f;
+  }
+  EXPECT_EQ(out_before, call.out.storage) << "out written on error";
+  EXPECT_EQ(x_before, call.x.storage) << "x written on error";
+  EXPECT_EQ(k_before, call.k.storage) << "k written on error";
+  EXPECT_EQ(k_out_before, call.k_out.storage) << "k_out written on error";
+}
+
+TEST(Validation, ValidCallSucceeds) {
+  Call c;
+  EXPECT_NO_THROW(c.run());
+}
+TEST(Validation, RankTooSmall) {
+  Call c;
+  c.x_view.rank = 1;
+  expect_error(c, Status::invalid_argument, "q", {"rank 2 to 5", "rank 1"});
+}
+TEST(Validation, RankTooLarge) {
+  Call c;
+  c.x_view.rank = 6;
+  expect_error(c, Status::invalid_argument, "q", {"rank 2 to 5", "rank 6"});
+}
+TEST(Validation, NegativeSize) {
+  Call c;
+  c.x_view.shape[0] = -2;
+  expect_error(c, Status::invalid_argument, "q", {"non-negative", "[-2, 3, 4, 8]"});
+}
+TEST(Validation, ElementCountOverflow) {
+  Call c;
+  c.x_view.shape[0] = c.x_view.shape[1] = std::int64_t(1) << 30;
+  expect_error(c, Status::out_of_range, "q", {"2^60"});
+}
+TEST(Validation, IntegerDtype) {
+  Call c;
+  c.x_view.dtype = DType::i32;
+  expect_error(c, Status::invalid_argument, "q.dtype", {"float32, float16 or bfloat16", "int32"});
+}
+TEST(Validation, HeadDimMismatch) {
+  Call c;
+  c.rotation = Rotation::half(6);
+  expect_error(c, Status::invalid_argument, "q", {"last axis of 6", "[2, 3, 4, 8]"});
+}
+TEST(Validation, NullData) {
+  Call c;
+  c.x_view.data = nullptr;
+  expect_error(c, Status::invalid_argument, "q", {"data pointer", "null"});
+}
+TEST(Validation, NonContiguousHeadAxis) {
+  Call c;
+  c.x_view.strides[3] = 2;
+  expect_error(c, Status::invalid_argument, "q", {"stride 1", "stride 2"});
+}
+TEST(Validation, StrideExtentOverflow) {
+  Call c;
+  c.x_view.strides[0] = std::int64_t(1) << 61;
+  expect_error(c, Status::out_of_range, "q", {"strides"});
+}
+TEST(Validation, OutputDtypeMismatch) {
+  Call c;
+  c.out_view.dtype = DType::f16;
+  expect_error(c, Status::invalid_argument, "q_out.dtype", {"bfloat16", "float16"});
+}
+TEST(Validation, OutputShapeMismatch) {
+  Call c;
+  c.out_view.shape[2] = 3;
+  expect_error(c, Status::invalid_argument, "q_out", {"[2, 3, 4, 8]", "[2, 3, 3, 8]"});
+}
+TEST(Validation, OutputWithRepeatedElements) {
+  Call c;
+  c.out_view.strides[1] = 0;
+  expect_error(c, Status::invalid_argument, "q_out", {"its own address"});
+}
+TEST(Validation, PartialOverlapOfInputAndOutput) {
+  Call c;
+  TensorView shifted = c.x.view();
+  shifted.data = static_cast<char*>(shifted.data) + 2 * 8;  // one row further
+  shifted.shape[0] = 2;
+  c.out_view = shifted;
+  c.out_view.data = static_cast<std::uint16_t*>(c.x.view().data) + 8;
+  expect_error(c, Status::invalid_argument, "q_out", {"partial overlap"});
+}
+TEST(Validation, KRankMismatch) {
+  Call c;
+  c.with_k = true;
+  c.k_view.rank = c.k_out_view.rank = 3;
+  c.k_view.shape[2] = c.k_out_view.shape[2] = 8;
+  c.k_view.strides[2] = c.k_out_view.strides[2] = 1;
+  expect_error(c, Status::invalid_argument, "k", {"rank 4 (the rank of q)", "rank 3"});
+}
+TEST(Validation, KDtypeMismatch) {
+  Call c;
+  c.with_k = true;
+  c.k_view.dtype = c.k_out_view.dtype = DType::f16;
+  expect_error(c, Status::invalid_argument, "k.dtype", {"bfloat16", "float16"});
+}
+TEST(Validation, KOutputOverlapsQOutput) {
+  Call c;
+  c.with_k = true;
+  c.k_out_view.data = c.out_view.data;
+  c.k_out_view.strides[0] = c.out_view.strides[0];
+  expect_error(c, Status::invalid_argument, "k_out", {"disjoint from q_out"});
+}
+TEST(Validation, KOutputOverlapsQ) {
+  Call c;
+  c.with_k = true;
+  c.k_out_view.data = const_cast<void*>(c.x_view.data);
+  expect_error(c, Status::invalid_argument, "k_out", {"disjoint from q"});
+}
+TEST(Validation, QOutputOverlapsK) {
+  Call c;
+  c.with_k = true;
+  c.out_view.data = const_cast<void*>(c.k_view.data);
+  c.out_view.shape[1] = 1;
+  c.x_view.shape[1] = 1;
+  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from k"});
+}
+TEST(Validation, KSizeDiffersWhereTablesVary) {
+  Call c;
+  c.with_k = true;
+  c.k_view.shape[2] = c.k_out_view.shape[2] = 3;
+  expect_error(c, Status::invalid_argument, "cos", {"broadcastable to k"});
+}
+TEST(Validation, KBatchDiffersAlongTableAxis) {
+  Call c;
+  c.with_k = true;
+  c.tables.cos = TestTensor::make(DType::f32, {2, 1, 4, 8});
+  c.tables.sin = TestTensor::make(DType::f32, {2, 1, 4, 8});
+  c.tables.cos.fill([](const auto&) { return 1.0; });
+  c.tables.sin.fill([](const auto&) { return 0.0; });
+  c.t = c.tables.view();
+  c.k = TestTensor::make(DType::bf16, {1, 1, 4, 8});
+  c.k_out = TestTensor::make(DType::bf16, {1, 1, 4, 8});
+  c.k_view = c.k.cview();
+  c.k_out_view = c.k_out.view();
+  expect_error(c, Status::invalid_argument, "cos", {"broadcastable to k [1, 1, 4, 8]", "[2, 1, 4, 8]"});
+}
+TEST(Validation, TableRank) {
+  Call c;
+  c.t.cos.rank = 0;
+  expect_error(c, Status::invalid_argument, "cos", {"rank 1 to 5", "rank 0"});
+}
+TEST(Validation, TableDtype) {
+  Call c;
+  c.t.sin.dtype = DType::i64;
+  expect_error(c, Status::invalid_argument, "sin.dtype", {"float32", "int64"});
+}
+TEST(Validation, TableWidth) {
+  Call c;
+  c.t.width = TableWidth::halves;
+  expect_error(c, Status::invalid_argument, "cos", {"last axis of 4", "halves width", "[4, 8]"});
+}
+TEST(Validation, TableNullData) {
+  Call c;
+  c.t.cos.data = nullptr;
+  expect_error(c, Status::invalid_argument, "cos", {"data pointer", "null"});
+}
+TEST(Validation, SinShapeDiffersFromCos) {
+  Call c;
+  c.t.sin.shape[0] = 1;
+  expect_error(c, Status::invalid_argument, "sin", {"the shape of cos [4, 8]", "[1, 8]"});
+}
+TEST(Validation, TableNotBroadcastable) {
+  Call c;
+  c.t.cos.shape[0] = c.t.sin.shape[0] = 3;
+  expect_error(c, Status::invalid_argument, "cos", {"broadcastable to q [2, 3, 4, 8]", "[3, 8]"});
+}
+TEST(Validation, TableHasMoreAxesThanX) {
+  Call c;
+  c.x_view.rank = c.out_view.rank = 2;
+  c.x_view.shape[0] = c.out_view.shape[0] = 1;
+  c.x_view.shape[1] = c.out_view.shape[1] = 8;
+  c.x_view.strides[1] = c.out_view.strides[1] = 1;
+  c.t.cos.rank = c.t.sin.rank = 3;
+  c.t.cos.shape[0] = c.t.sin.shape[0] = 1;
+  c.t.cos.shape[1] = c.t.sin.shape[1] = 1;
+  c.t.cos.shape[2] = c.t.sin.shape[2] = 8;
+  c.t.cos.strides[2] = c.t.sin.strides[2] = 1;
+  expect_error(c, Status::invalid_argument, "cos", {"at most 1 axes"});
+}
+TEST(Validation, ColumnAxisWithDirectTables) {
+  Call c;
+  c.t.column_axis = {0, 0, 0, 0, 0, 0, 0, 0};
+  expect_error(c, Status::invalid_argument, "tables.column_axis", {"empty for direct tables"});
+}
+TEST(Validation, CacheMustBeRank2) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.cos = c.t.sin = c.x_view;
+  c.t.cos.dtype = c.t.sin.dtype = DType::bf16;
+  expect_error(c, Status::invalid_argument, "cos", {"[P, width] cache"});
+}
+TEST(Validation, PositionsDtype) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.positions.dtype = DType::f32;
+  expect_error(c, Status::invalid_argument, "positions.dtype", {"int32 or int64", "float32"});
+}
+TEST(Validation, PositionsRank) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.positions.rank = 2;
+  expect_error(c, Status::invalid_argument, "positions", {"rank 3", "rank 2"});
+}
+TEST(Validation, PositionsNotBroadcastable) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.positions.shape[1] = 2;
+  expect_error(c, Status::invalid_argument, "positions", {"broadcastable to q"});
+}
+TEST(Validation, PositionPastCacheEnd) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.tables.positions.set({1, 0, 3}, 4);
+  expect_error(c, Status::out_of_range, "positions", {"values in [0, 4)", "4 at index [1, 0, 3]"});
+}
+TEST(Validation, NegativePosition) {
+  Call c;
+  c.use_cache(DType::i32, 4);
+  c.tables.positions.set({0, 0, 2}, -1);
+  expect_error(c, Status::out_of_range, "positions", {"-1 at index [0, 0, 2]"});
+}
+TEST(Validation, HugePositionDoesNotWrap) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.tables.positions.set({0, 0, 0}, double(std::int64_t(1) << 40));
+  expect_error(c, Status::out_of_range, "positions", {"1099511627776"});
+}
+TEST(Validation, PositionsNull) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.positions.data = nullptr;
+  // A null positions pointer means direct tables: the [4, 8] cache is then checked as a table.
+  c.t.cos.shape[0] = c.t.sin.shape[0] = 5;
+  expect_error(c, Status::invalid_argument, "cos", {"broadcastable"});
+}
+TEST(Validation, ColumnAxisSize) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.tables.positions = TestTensor::make(DType::i64, {2, 1, 4, 3});
+  c.tables.positions.fill([](const auto&) { return 1.0; });
+  c.t = c.tables.view();
+  c.t.column_axis = {0, 1, 2};
+  expect_error(c, Status::invalid_argument, "tables.column_axis", {"8 entries", "3"});
+}
+TEST(Validation, ColumnAxisEntry) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.tables.positions = TestTensor::make(DType::i64, {2, 1, 4, 3});
+  c.tables.positions.fill([](const auto&) { return 1.0; });
+  c.t = c.tables.view();
+  c.t.column_axis = {0, 1, 2, 0, 1, 2, 3, 0};
+  expect_error(c, Status::invalid_argument, "tables.column_axis", {"[0, 3)", "3 at column 6"});
+}
+TEST(Validation, EmptyCache) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.cos.shape[0] = c.t.sin.shape[0] = 0;
+  expect_error(c, Status::invalid_argument, "cos", {"at least one row"});
+}
+
+// Errors of the rotation builders.
+void expect_builder_error(const std::function<void()>& f, const std::string& argument,
+                          const std::string& fragment) {
+  try {
+    f();
+    ADD_FAILURE() << "no error for " << argument;
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), argument) << e.what();
+    EXPECT_NE(std::string(e.what()).find(fragment), std::string::npos) << e.what();
+  }
+}
+
+TEST(RotationValidation, Builders) {
+  expect_builder_error([] { Rotation::half(7); }, "dim", "got 7");
+  expect_builder_error([] { Rotation::half(0); }, "dim", "got 0");
+  expect_builder_error([] { Rotation::quarter(6); }, "dim", "multiple of 4");
+  expect_builder_error([] { Rotation::dense(std::vector<float>(15), 4); }, "b", "got 15 values");
+  expect_builder_error([] { Rotation::dense(std::vector<float>(9), 3); }, "dim", "got 3");
+  expect_builder_error(
+      [] {
+        std::vector<float> m(16, 0.0f);
+        m[5] = NAN;
+        Rotation::dense(m, 4);
+      },
+      "b", "NaN or infinite");
+  expect_builder_error([] { Rotation::block_diag(std::span<const Rotation>{}); }, "blocks", "none");
+  expect_builder_error([] { Rotation::half(8).partial(6); }, "head_dim", "got 6");
+  expect_builder_error([] { Rotation::half(8).partial(16).partial(32); }, "rotation", "already partial");
+  expect_builder_error([] { Rotation::block_diag({Rotation::half(8).partial(16), Rotation::half(8)}); },
+                       "blocks[0]", "partial");
+  expect_builder_error([] { set_num_threads(-1); }, "threads", "got -1");
+}
+
+// Backward arguments.
+TEST(Validation, BackwardTableGradientOfCache) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  TestTensor dcos = TestTensor::make(DType::f32, {4, 8});
+  Gradients g;
+  g.dcos = dcos.view();
+  try {
+    rope_backward(c.rotation, c.t, c.x_view, c.x_view, g);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.status(), Status::unsupported);
+    EXPECT_EQ(e.argument(), "dcos");
+  }
+}
+TEST(Validation, BackwardXShape) {
+  Call c;
+  TestTensor dx = TestTensor::make(DType::bf16, {2, 3, 4, 8});
+  TestTensor dcos = TestTensor::make(DType::f32, {4, 8});
+  const auto before = dx.storage;
+  Gradients g;
+  g.dx = dx.view();
+  g.dcos = dcos.view();
+  ConstTensorView x = c.x_view;
+  x.shape[0] = 1;
+  EXPECT_THROW(rope_backward(c.rotation, c.t, c.x_view, x, g), Error);
+  EXPECT_EQ(before, dx.storage);
+}
+TEST(Validation, BackwardTableGradientShape) {
+  Call c;
+  TestTensor dcos = TestTensor::make(DType::f32, {5, 8});
+  Gradients g;
+  g.dcos = dcos.view();
+  try {
+    rope_backward(c.rotation, c.t, c.x_view, c.x_view, g);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "dcos");
+    EXPECT_NE(std::string(e.what()).find("the shape of cos [4, 8]"), std::string::npos);
+  }
+}
+
+}  // namespace
+}  // namespace rome::testing
