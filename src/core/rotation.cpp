@@ -1,5 +1,6 @@
 #include "rome/rotation.hpp"
 
+#include <algorithm>
 #include <cmath>
 #include <string>
 
@@ -161,6 +162,29 @@ std::vector<float> permutation_to_dense(const SignedPermutation& p) {
   return m;
 }
 
+// Splits [0, dim) into the smallest diagonal blocks that hold every nonzero of a and b (a may
+// be empty: the identity, which is block diagonal at any split).
+std::vector<RotationData::Block> diagonal_blocks(std::span<const float> a, std::span<const float> b,
+                                                 std::int64_t dim) {
+  // reach[i]: the furthest index that row i or column i connects to.
+  std::vector<std::int64_t> reach(dim);
+  for (std::int64_t i = 0; i < dim; ++i) reach[i] = i;
+  for (std::int64_t i = 0; i < dim; ++i)
+    for (std::int64_t j = 0; j < dim; ++j)
+      if (b[i * dim + j] != 0.0f || (!a.empty() && a[i * dim + j] != 0.0f)) {
+        reach[i] = std::max(reach[i], j);
+        reach[j] = std::max(reach[j], i);
+      }
+  std::vector<RotationData::Block> blocks;
+  for (std::int64_t start = 0; start < dim;) {
+    std::int64_t end = reach[start];
+    for (std::int64_t i = start; i <= end; ++i) end = std::max(end, reach[i]);
+    blocks.push_back({start, end + 1 - start});
+    start = end + 1;
+  }
+  return blocks;
+}
+
 void require_matrix(const char* argument, std::span<const float> m, std::int64_t dim) {
   require_dim("dim", dim, 2);
   if (std::int64_t(m.size()) != dim * dim)
@@ -241,6 +265,7 @@ Rotation Rotation::dense(std::span<const float> a, std::span<const float> b, std
                                        std::vector<float>(a.begin(), a.end());
   if (!d->a_identity) d->dense_a.assign(a.begin(), a.end());
   d->dense_b.assign(b.begin(), b.end());
+  d->dense_blocks = diagonal_blocks(d->a_identity ? std::span<const float>{} : a, b, dim);
   return Rotation(std::move(d));
 }
 

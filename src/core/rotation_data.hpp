@@ -58,6 +58,12 @@ struct RotationData {
 
   // kind == dense: rotary_dim × rotary_dim row-major; dense_a is empty when A = I.
   std::vector<float> dense_a, dense_b;
+  // Diagonal blocks outside which A and B are zero: output lane j in block [offset, offset+size)
+  // only sums inputs of that block (44+44+40 costs Σ size² instead of rotary_dim²).
+  struct Block {
+    std::int64_t offset, size;
+  };
+  std::vector<Block> dense_blocks;
 };
 
 }  // namespace rome::detail

@@ -45,14 +45,18 @@ void forward_dense(const RotationData& r, const ForwardBatch& batch) {
     const T* x = static_cast<const T*>(batch.rows[n].x);
     T* y = static_cast<T*>(batch.rows[n].y);
     for (std::int64_t j = 0; j < rd; ++j) xf[j] = detail::load_float<D>(x + j);
-    for (std::int64_t j = 0; j < rd; ++j) {
-      float xa = 0.0f, xb = 0.0f;
-      for (std::int64_t i = 0; i < rd; ++i) {
-        if (!r.a_identity) xa = std::fma(xf[i], a[i * rd + j], xa);
-        xb = std::fma(xf[i], b[i * rd + j], xb);
+    for (const auto& block : r.dense_blocks) {
+      const std::int64_t end = block.offset + block.size;
+      for (std::int64_t j = block.offset; j < end; ++j) {
+        // Summed in ascending i from +0: the SIMD dense kernels follow the same order.
+        float xa = 0.0f, xb = 0.0f;
+        for (std::int64_t i = block.offset; i < end; ++i) {
+          if (!r.a_identity) xa = std::fma(xf[i], a[i * rd + j], xa);
+          xb = std::fma(xf[i], b[i * rd + j], xb);
+        }
+        if (r.a_identity) xa = xf[j];
+        detail::store_float<D>(y + j, std::fma(xb, batch.sin[j], xa * batch.cos[j]));
       }
-      if (r.a_identity) xa = xf[j];
-      detail::store_float<D>(y + j, std::fma(xb, batch.sin[j], xa * batch.cos[j]));
     }
     if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
