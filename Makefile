@@ -1,0 +1,97 @@
+# make bench: install what is missing, build, run the main benchmark.
+# make test:  install what is missing, build, run every test (C++ also under ASan + UBSan).
+SHELL := /bin/bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := test
+
+JOBS ?= $(shell nproc)
+VENV := .venv
+PYTHON := $(VENV)/bin/python
+PIP := $(PYTHON) -m pip
+CMAKE_FLAGS := -G Ninja -DCMAKE_BUILD_TYPE=Release
+APT_PACKAGES := cmake ninja-build g++ python3-venv python3-dev libgtest-dev libgmock-dev \
+                libbenchmark-dev clang-14 libclang-rt-14-dev clang-format-14
+STAMPS := .stamps
+# Run as root (CI, fresh machines here) or through sudo.
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: deps venv build build-asan python test test-cpp test-isa test-asan test-python \
+        fuzz-smoke fuzz tsan bench bench-cpp format clean
+
+deps: $(STAMPS)/apt
+$(STAMPS)/apt:
+	@mkdir -p $(STAMPS)
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+	  echo "installing: $$missing"; \
+	  $(SUDO) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@touch $@
+
+# torch is pinned through constraints.txt: never another version (it would pull CUDA packages).
+venv: $(STAMPS)/venv
+$(STAMPS)/venv: requirements/dev.txt requirements/constraints.txt | $(STAMPS)/apt
+	@[ -x $(PYTHON) ] || python3 -m venv $(VENV)
+	$(PIP) install -q --disable-pip-version-check -c requirements/constraints.txt -r requirements/dev.txt
+	@touch $@
+
+build: deps
+	cmake -S . -B build $(CMAKE_FLAGS) >/dev/null
+	cmake --build build -j $(JOBS)
+
+build-asan: deps
+	cmake -S . -B build-asan $(CMAKE_FLAGS) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROME_SANITIZE=ON -DROME_BUILD_BENCH=OFF >/dev/null
+	cmake --build build-asan -j $(JOBS)
+
+# The extension links build/py/librome.a, which setup.py builds through CMake.
+python: $(STAMPS)/python
+$(STAMPS)/python: $(STAMPS)/venv $(shell find src include bindings python -type f 2>/dev/null) setup.py CMakeLists.txt
+	$(PIP) install -q --no-build-isolation --no-deps -c requirements/constraints.txt -e .
+	@touch $@
+
+test: test-cpp test-isa test-asan fuzz-smoke test-python
+
+test-cpp: build
+	./build/rome_tests --gtest_brief=1
+	./build/rome_example
+
+# The same binary with ROME_MAX_ISA set to every ISA: the environment variable path, and the
+# whole suite again on the lower ISAs (the suite already runs each ISA in-process too).
+test-isa: build
+	@for isa in scalar avx2 avx512 amx; do \
+	  echo "== ROME_MAX_ISA=$$isa"; \
+	  ROME_MAX_ISA=$$isa ./build/rome_example; \
+	  ROME_MAX_ISA=$$isa ./build/rome_tests --gtest_brief=1 --gtest_filter='*Simd*:RopeQK*:Backward*:Validation*'; \
+	done
+
+test-asan: build-asan
+	ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 ./build-asan/rome_tests --gtest_brief=1
+	./build-asan/rome_example
+
+fuzz-smoke: deps
+	@if [ -f fuzz/build.sh ]; then bash fuzz/build.sh && ./fuzz-build/fuzz_rope -max_total_time=60 -max_len=4096 -print_final_stats=1 fuzz/corpus 2>&1 | tail -n 15; \
+	else echo "fuzz-smoke: no fuzz target in this tree"; fi
+
+fuzz: deps
+	bash fuzz/build.sh
+	./fuzz-build/fuzz_rope -max_total_time=$${FUZZ_SECONDS:-600} -max_len=4096 -print_final_stats=1 fuzz/corpus
+
+tsan: deps
+	cmake -S . -B build-tsan $(CMAKE_FLAGS) -DCMAKE_BUILD_TYPE=RelWithDebInfo -DROME_TSAN=ON -DROME_BUILD_BENCH=OFF >/dev/null
+	cmake --build build-tsan -j $(JOBS)
+	TSAN_OPTIONS=halt_on_error=1 ./build-tsan/rome_tests --gtest_brief=1 --gtest_filter='Concurrency*'
+
+test-python: python
+	$(PYTHON) -m pytest -q tests/python
+
+bench: build python
+	$(PYTHON) -m rome.bench $(BENCH_ARGS)
+
+bench-cpp: build
+	./build/rome_bench $(BENCH_ARGS)
+
+format:
+	clang-format-14 -i $$(git ls-files '*.cpp' '*.hpp' '*.h')
+
+clean:
+	rm -rf build build-asan build-tsan build/py fuzz-build $(STAMPS) bench-results
