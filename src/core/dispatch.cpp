@@ -116,7 +116,16 @@ const CpuFeatures& cpu_features() noexcept {
   return features;
 }
 
+namespace {
+std::atomic<const kernels::KernelTable*> kernel_override{nullptr};
+}
+
+void override_kernels_for_testing(const kernels::KernelTable* table) noexcept {
+  kernel_override.store(table);
+}
+
 const kernels::KernelTable& active_kernels() noexcept {
+  if (const kernels::KernelTable* table = kernel_override.load(std::memory_order_relaxed)) return *table;
   switch (Isa(active_isa_value().load(std::memory_order_relaxed))) {
 #ifdef ROME_HAVE_AMX
     case Isa::amx: return kernels::amx_kernels();
@@ -189,11 +198,15 @@ Isa set_max_isa(Isa limit) noexcept {
 }
 
 int default_num_threads() noexcept {
-  if (const char* env = std::getenv("ROME_NUM_THREADS"); env && *env) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
-  return detail::hardware_threads();
+  // Read once: hardware_concurrency() reads sysfs, far too slow for every decode call.
+  static const int threads = [] {
+    if (const char* env = std::getenv("ROME_NUM_THREADS"); env && *env) {
+      const int n = std::atoi(env);
+      if (n > 0) return n;
+    }
+    return detail::hardware_threads();
+  }();
+  return threads;
 }
 
 void set_num_threads(int threads) {

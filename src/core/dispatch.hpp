@@ -16,6 +16,10 @@ const CpuFeatures& cpu_features() noexcept;
 
 const kernels::KernelTable& active_kernels() noexcept;
 int resolve_threads(int requested) noexcept;
+
+// Tests only: run every call on `table` instead of the active ISA's (nullptr: back to normal).
+// Lets the matrix-unit kernel run on its software tile model where the CPU has no AMX.
+void override_kernels_for_testing(const kernels::KernelTable* table) noexcept;
 // Throws when the environment asks for something invalid (an unknown ROME_MAX_ISA).
 void check_environment();
 
