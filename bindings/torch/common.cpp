@@ -1,0 +1,314 @@
+// Shared conversions of the torch front: tensors to RoME views, rotations, tables, errors
+// (declared in common.hpp).
+#include "common.hpp"
+
+#include <ATen/ATen.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+namespace rome_torch {
+
+using at::Tensor;
+
+[[noreturn]] void rethrow(const rome::Error& e) {
+  switch (e.status()) {
+    case rome::Status::invalid_argument: TORCH_CHECK_VALUE(false, e.what());
+    case rome::Status::out_of_range: TORCH_CHECK_INDEX(false, e.what());
+    case rome::Status::unsupported: TORCH_CHECK_NOT_IMPLEMENTED(false, e.what());
+    default: TORCH_CHECK(false, e.what());
+  }
+  TORCH_CHECK(false, e.what());  // unreachable
+}
+
+std::string shape_of(const Tensor& t) {
+  std::string s = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
+  return s + "]";
+}
+
+static std::string torch_dtype_name(at::ScalarType t) {
+  switch (t) {
+    case at::kFloat: return "float32";
+    case at::kHalf: return "float16";
+    case at::kBFloat16: return "bfloat16";
+    case at::kDouble: return "float64";
+    case at::kInt: return "int32";
+    case at::kLong: return "int64";
+    case at::kShort: return "int16";
+    case at::kChar: return "int8";
+    case at::kByte: return "uint8";
+    case at::kBool: return "bool";
+    case at::kComplexFloat: return "complex64";
+    case at::kComplexDouble: return "complex128";
+    default: return c10::toString(t);
+  }
+}
+
+static void check_cpu(const Tensor& t, const std::string& name) {
+  if (!t.device().is_cpu())
+    rome::fail(rome::Status::invalid_argument, name + ".device", "cpu", t.device().str());
+}
+
+rome::DType float_dtype(const Tensor& t, const std::string& name) {
+  switch (t.scalar_type()) {
+    case at::kFloat: return rome::DType::f32;
+    case at::kHalf: return rome::DType::f16;
+    case at::kBFloat16: return rome::DType::bf16;
+    default:
+      rome::fail(rome::Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+                 torch_dtype_name(t.scalar_type()));
+  }
+}
+
+static rome::DType any_dtype(const Tensor& t, const std::string& name, bool integer) {
+  if (!integer) return float_dtype(t, name);
+  switch (t.scalar_type()) {
+    case at::kInt: return rome::DType::i32;
+    case at::kLong: return rome::DType::i64;
+    default:
+      rome::fail(rome::Status::invalid_argument, name + ".dtype", "int32 or int64",
+                 torch_dtype_name(t.scalar_type()));
+  }
+}
+
+template <typename View>
+static View make_view(const Tensor& t, const std::string& name, bool integer) {
+  check_cpu(t, name);
+  const rome::DType dtype = any_dtype(t, name, integer);
+  if (t.dim() > rome::kMaxRank)
+    rome::fail(rome::Status::invalid_argument, name,
+               "rank at most " + std::to_string(rome::kMaxRank),
+               "rank " + std::to_string(t.dim()) + " " + shape_of(t));
+  View v;
+  using Pointer = decltype(v.data);
+  v.data = static_cast<Pointer>(t.data_ptr());
+  v.dtype = dtype;
+  v.rank = static_cast<int>(t.dim());
+  for (int i = 0; i < v.rank; ++i) {
+    v.shape[i] = t.size(i);
+    v.strides[i] = t.stride(i);
+  }
+  return v;
+}
+
+rome::ConstTensorView const_view(const Tensor& t, const std::string& name, bool integer) {
+  return make_view<rome::ConstTensorView>(t, name, integer);
+}
+rome::TensorView mutable_view(const Tensor& t, const std::string& name) {
+  return make_view<rome::TensorView>(t, name, false);
+}
+
+// The input as the core reads it: a contiguous last axis (a copy only when it is not).
+Tensor readable(const Tensor& t) {
+  if (t.dim() > 0 && t.size(-1) > 1 && t.stride(-1) != 1) return t.contiguous();
+  return t;
+}
+
+// An output like `t` (empty_like strides), falling back to row-major when the last axis would
+// not be contiguous. Used by both the CPU and the Meta kernels, so the two always agree.
+Tensor alloc_like(const Tensor& t) {
+  Tensor out = at::empty_like(t);
+  if (out.dim() > 0 && out.sym_stride(-1) != 1) out = at::empty_symint(t.sym_sizes(), t.options());
+  return out;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Rotations, cached: building one analyses the matrices and builds per-ISA permute plans.
+
+static std::vector<float> matrix_values(const Tensor& m, const std::string& name, int64_t rd) {
+  check_cpu(m, name);
+  float_dtype(m, name);
+  if (m.dim() != 2 || m.size(0) != rd || m.size(1) != rd)
+    rome::fail(rome::Status::invalid_argument, name,
+               "a [" + std::to_string(rd) + ", " + std::to_string(rd) +
+                   "] matrix (rotary_dim x rotary_dim)",
+               shape_of(m));
+  const Tensor f = m.to(at::kFloat).contiguous();
+  const float* p = f.data_ptr<float>();
+  return std::vector<float>(p, p + rd * rd);
+}
+
+namespace {
+
+struct CacheEntry {
+  std::string kind;
+  std::vector<int64_t> blocks;
+  int64_t rotary_dim = 0, head_dim = 0;
+  bool has_a = false;
+  std::vector<float> a, b;
+  std::optional<rome::Rotation> rotation;
+};
+
+std::mutex cache_mutex;
+std::vector<CacheEntry> cache;  // most recent last
+constexpr std::size_t kCacheEntries = 32;
+constexpr int64_t kMaxCachedDenseDim = 512;
+
+rome::Rotation named_rotation(const std::string& kind, int64_t dim) {
+  if (kind == "half") return rome::Rotation::half(dim);
+  if (kind == "interleave") return rome::Rotation::interleave(dim);
+  if (kind == "quarter") return rome::Rotation::quarter(dim);
+  return rome::Rotation::interleave_half(dim);
+}
+
+}  // namespace
+
+// kind: half | interleave | quarter | interleave_half | dense. mat names are used in messages.
+rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t>& blocks,
+                              int64_t rotary_dim, int64_t head_dim,
+                              const std::optional<Tensor>& mat_a,
+                              const std::optional<Tensor>& mat_b, const std::string& mat_b_name) {
+  const bool dense = kind == "dense";
+  if (!dense && kind != "half" && kind != "interleave" && kind != "quarter" &&
+      kind != "interleave_half")
+    rome::fail(rome::Status::invalid_argument, "rotation",
+               "one of 'half', 'interleave', 'quarter', 'interleave_half', 'dense'",
+               "'" + kind + "'");
+  if (rotary_dim != -1 && (rotary_dim <= 0 || rotary_dim > head_dim))
+    rome::fail(
+        rome::Status::invalid_argument, "rotary_dim",
+        "-1 (the head dimension) or 1 to " + std::to_string(head_dim) + " (the head dimension)",
+        std::to_string(rotary_dim));
+  const int64_t rd = rotary_dim == -1 ? head_dim : rotary_dim;
+  const bool has_a = mat_a.has_value() && mat_a->defined();
+  const bool has_b = mat_b.has_value() && mat_b->defined();
+  std::vector<float> a, b;
+  if (dense) {
+    if (!has_b)
+      rome::fail(
+          rome::Status::invalid_argument, mat_b_name,
+          "a [" + std::to_string(rd) + ", " + std::to_string(rd) + "] matrix for rotation 'dense'",
+          "None");
+    if (!blocks.empty())
+      rome::fail(rome::Status::invalid_argument, "blocks",
+                 "no blocks for rotation 'dense' (the matrix carries its structure)",
+                 std::to_string(blocks.size()) + " blocks");
+    b = matrix_values(*mat_b, mat_b_name, rd);
+    if (has_a) a = matrix_values(*mat_a, "mat_a", rd);
+  } else {
+    if (has_a || has_b)
+      rome::fail(rome::Status::invalid_argument, has_b ? "mat_b" : "mat_a",
+                 "None for rotation '" + kind + "' (matrices are for rotation 'dense')",
+                 "a tensor");
+    const int64_t multiple = kind == "quarter" ? 4 : 2;
+    if (blocks.empty() && rd % multiple != 0)
+      rome::fail(rome::Status::invalid_argument, "rotary_dim",
+                 "a multiple of " + std::to_string(multiple) + " for rotation '" + kind + "'",
+                 std::to_string(rd) + (rotary_dim == -1 ? " (the head dimension)" : ""));
+    for (std::size_t i = 0; i < blocks.size(); ++i)
+      if (blocks[i] <= 0 || blocks[i] % multiple != 0)
+        rome::fail(
+            rome::Status::invalid_argument, "blocks[" + std::to_string(i) + "]",
+            "a positive multiple of " + std::to_string(multiple) + " for a '" + kind + "' block",
+            std::to_string(blocks[i]));
+    if (!blocks.empty()) {
+      int64_t sum = 0;
+      std::string list = "[";
+      for (std::size_t i = 0; i < blocks.size(); ++i) {
+        sum += blocks[i];
+        list += (i ? ", " : "") + std::to_string(blocks[i]);
+      }
+      if (sum != rd)
+        rome::fail(rome::Status::invalid_argument, "blocks",
+                   "block sizes summing to rotary_dim " + std::to_string(rd),
+                   list + "] (sum " + std::to_string(sum) + ")");
+    }
+  }
+  const bool cacheable = !dense || rd <= kMaxCachedDenseDim;
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (auto it = cache.rbegin(); it != cache.rend(); ++it)
+      if (it->kind == kind && it->rotary_dim == rd && it->head_dim == head_dim &&
+          it->blocks == blocks && it->has_a == has_a && it->a == a && it->b == b)
+        return *it->rotation;
+  }
+  rome::Rotation rotation = [&] {
+    if (dense) return has_a ? rome::Rotation::dense(a, b, rd) : rome::Rotation::dense(b, rd);
+    if (blocks.size() <= 1) return named_rotation(kind, rd);
+    std::vector<rome::Rotation> parts;
+    parts.reserve(blocks.size());
+    for (int64_t size : blocks) parts.push_back(named_rotation(kind, size));
+    return rome::Rotation::block_diag(parts);
+  }();
+  if (rd < head_dim) rotation = rotation.partial(head_dim);
+  if (cacheable) {
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    if (cache.size() >= kCacheEntries) cache.erase(cache.begin());
+    cache.push_back(
+        CacheEntry{kind, blocks, rd, head_dim, has_a, std::move(a), std::move(b), rotation});
+  }
+  return rotation;
+}
+
+// ----------------------------------------------------------------------------------------------
+// Tables
+
+rome::TableWidth table_width(const std::string& width) {
+  if (width == "full") return rome::TableWidth::full;
+  if (width == "halves") return rome::TableWidth::halves;
+  if (width == "pairs") return rome::TableWidth::pairs;
+  rome::fail(rome::Status::invalid_argument, "table_width", "one of 'full', 'halves', 'pairs'",
+             "'" + width + "'");
+}
+
+static Tensor drop_leading_ones(Tensor t, int64_t max_rank) {
+  while (t.dim() > max_rank && t.dim() > 1 && t.size(0) == 1) t = t.squeeze(0);
+  return t;
+}
+
+// Direct tables as the core sees them: leading size-1 axes past x's rank dropped, and cos/sin of
+// different (broadcastable) shapes expanded to their common shape.
+std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin, int64_t x_rank) {
+  Tensor c = drop_leading_ones(cos, x_rank), s = drop_leading_ones(sin, x_rank);
+  if (c.sizes() != s.sizes()) {
+    const int64_t rank = std::max(c.dim(), s.dim());
+    std::vector<int64_t> shape(rank);
+    for (int64_t i = 0; i < rank; ++i) {
+      const int64_t ci = i - (rank - c.dim()), si = i - (rank - s.dim());
+      const int64_t cs = ci >= 0 ? c.size(ci) : 1, ss = si >= 0 ? s.size(si) : 1;
+      if (cs != ss && cs != 1 && ss != 1)
+        rome::fail(rome::Status::invalid_argument, "sin",
+                   "the shape of cos " + shape_of(cos) + " or one broadcastable with it",
+                   shape_of(sin));
+      shape[i] = cs == 1 ? ss : cs;
+    }
+    c = drop_leading_ones(c.expand(shape), x_rank);
+    s = drop_leading_ones(s.expand(shape), x_rank);
+  }
+  return {c, s};
+}
+
+PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
+                              const std::optional<Tensor>& positions, const std::string& width,
+                              const std::vector<int64_t>& column_axis, int64_t x_rank) {
+  PreparedTables p;
+  p.tables.width = table_width(width);
+  const bool cache_tables = positions.has_value() && positions->defined();
+  if (cache_tables) {
+    p.cos = cos;
+    p.sin = sin;
+    Tensor pos = *positions;
+    const int64_t want = x_rank - 1 + (column_axis.empty() ? 0 : 1);
+    if (pos.dim() < want) {
+      std::vector<int64_t> shape(want - pos.dim(), 1);
+      for (int64_t s : pos.sizes()) shape.push_back(s);
+      pos = pos.view(shape);
+    }
+    p.positions = pos;
+    p.tables.positions = const_view(pos, "positions", true);
+  } else {
+    std::tie(p.cos, p.sin) = effective_tables(cos, sin, x_rank);
+  }
+  p.tables.cos = const_view(p.cos, "cos", false);
+  p.tables.sin = const_view(p.sin, "sin", false);
+  p.tables.column_axis.assign(column_axis.begin(), column_axis.end());
+  return p;
+}
+
+}  // namespace rome_torch

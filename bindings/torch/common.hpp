@@ -1,0 +1,39 @@
+// Shared conversions of the torch front (common.cpp): tensors to RoME views, rotations, tables,
+// and RoME errors to Python exceptions.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "rome/rome.hpp"
+
+namespace rome_torch {
+
+using at::Tensor;
+using OptTensor = std::optional<Tensor>;
+
+// Rethrows as ValueError / IndexError / NotImplementedError with the core's message.
+[[noreturn]] void rethrow(const rome::Error& e);
+std::string shape_of(const Tensor& t);
+rome::ConstTensorView const_view(const Tensor& t, const std::string& name, bool integer);
+rome::TensorView mutable_view(const Tensor& t, const std::string& name);
+Tensor readable(const Tensor& t);
+Tensor alloc_like(const Tensor& t);
+rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t>& blocks,
+                              int64_t rotary_dim, int64_t head_dim, const OptTensor& mat_a,
+                              const OptTensor& mat_b, const std::string& mat_b_name);
+std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin, int64_t x_rank);
+// Keeps the tensors the views point into alive.
+struct PreparedTables {
+  rome::Tables tables;
+  Tensor cos, sin, positions;
+};
+PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin, const OptTensor& positions,
+                              const std::string& width, const std::vector<int64_t>& column_axis,
+                              int64_t x_rank);
+
+}  // namespace rome_torch

@@ -1,0 +1,745 @@
+// The rome:: operators: schemas, CPU kernels (thin calls into the core), Meta kernels (shapes
+// only), Autograd (torch::autograd::Function whose backward calls rome::_rope_backward) and
+// ADInplaceOrView (version counters of the in-place ops).
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/SymInt.h>
+#include <torch/autograd.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/library.h>
+
+#include <array>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "common.hpp"
+
+namespace rome_torch {
+
+namespace {
+
+template <typename F>
+decltype(auto) guarded(F&& f) {
+  try {
+    return f();
+  } catch (const rome::Error& e) {
+    rethrow(e);
+  }
+}
+
+bool has(const OptTensor& t) {
+  return t.has_value() && t->defined();
+}
+
+std::vector<int64_t> to_vec(c10::IntArrayRef a) {
+  return std::vector<int64_t>(a.begin(), a.end());
+}
+
+Tensor empty_marker(const Tensor& like) {
+  return at::empty({0}, like.options());
+}
+
+// Every operand goes through the core with a rank of at least 2; name it in errors first.
+int64_t head_dim_of(const Tensor& x, const char* name) {
+  if (x.dim() < 2 || x.dim() > rome::kMaxRank)
+    rome::fail(rome::Status::invalid_argument, name, "rank 2 to 5 with the head dimension last",
+               "rank " + std::to_string(x.dim()) + " " + shape_of(x));
+  return x.size(-1);
+}
+
+// ----------------------------------------------------------------------------------------------
+// Typed handles (for redispatch from Autograd / ADInplaceOrView and for backward).
+
+using RopeSig = std::tuple<Tensor, Tensor>(const Tensor&, const OptTensor&, const Tensor&,
+                                           const Tensor&, const OptTensor&, c10::string_view,
+                                           c10::IntArrayRef, int64_t, c10::string_view,
+                                           c10::IntArrayRef, const OptTensor&, const OptTensor&);
+using RopeInplaceSig = void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                            const OptTensor&, c10::string_view, c10::IntArrayRef, int64_t,
+                            c10::string_view, c10::IntArrayRef, const OptTensor&, const OptTensor&);
+using RopeMatrixSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using RopeMatrixInplaceSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
+using RotaryEmbeddingSig = void(const Tensor&, const Tensor&, const OptTensor&, int64_t,
+                                const Tensor&, bool);
+using InterleavedSig = Tensor(const Tensor&, const Tensor&);
+using BackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
+    const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+    const OptTensor&, c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
+    c10::IntArrayRef, const OptTensor&, const OptTensor&, std::array<bool, 6>);
+
+template <typename Sig>
+c10::TypedOperatorHandle<Sig> handle(const char* name) {
+  return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Sig>();
+}
+#define ROME_OP(var, name, Sig) static const auto var = handle<Sig>(name)
+
+// ----------------------------------------------------------------------------------------------
+// CPU kernels
+
+struct Prepared {
+  std::optional<rome::Rotation> rotation;
+  PreparedTables tables;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& cos, const Tensor& sin, const OptTensor& positions,
+                 c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                 c10::string_view table_width, c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                 const OptTensor& mat_b, const char* q_name = "q") {
+  Prepared p;
+  const int64_t hd = head_dim_of(q, q_name);
+  p.rotation =
+      build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, mat_a, mat_b, "mat_b");
+  p.tables =
+      prepare_tables(cos, sin, positions, std::string(table_width), to_vec(column_axis), q.dim());
+  return p;
+}
+
+std::tuple<Tensor, Tensor> rope_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                                    const Tensor& sin, const OptTensor& positions,
+                                    c10::string_view rotation, c10::IntArrayRef blocks,
+                                    int64_t rotary_dim, c10::string_view table_width,
+                                    c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                                    const OptTensor& mat_b) {
+  return guarded([&] {
+    const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                               column_axis, mat_a, mat_b);
+    const Tensor qin = readable(q);
+    rome::Operand oq{const_view(qin, "q", false), {}};
+    const Tensor qout = alloc_like(q);
+    oq.out = mutable_view(qout, "q_out");
+    Tensor kin, kout;
+    rome::Operand ok;
+    if (has(k)) {
+      head_dim_of(*k, "k");
+      kin = readable(*k);
+      ok.in = const_view(kin, "k", false);
+      kout = alloc_like(*k);
+      ok.out = mutable_view(kout, "k_out");
+    }
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr);
+    return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
+  });
+}
+
+void rope_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                      const OptTensor& positions, c10::string_view rotation,
+                      c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+                      c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                      const OptTensor& mat_b) {
+  guarded([&] {
+    const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                               column_axis, mat_a, mat_b);
+    const rome::TensorView qv = mutable_view(q, "q");
+    const rome::Operand oq{rome::as_const(qv), qv};
+    rome::Operand ok;
+    if (has(k)) {
+      head_dim_of(*k, "k");
+      const rome::TensorView kv = mutable_view(*k, "k");
+      ok = {rome::as_const(kv), kv};
+    }
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr);
+  });
+}
+
+Prepared prepare_matrix(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
+  Prepared p;
+  const int64_t hd = head_dim_of(x, "x");
+  p.rotation = build_rotation("dense", {}, -1, hd, std::nullopt, mat, "mat");
+  p.tables = prepare_tables(cos, sin, std::nullopt, "full", {}, x.dim());
+  return p;
+}
+
+Tensor rope_matrix_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
+  return guarded([&] {
+    const Prepared p = prepare_matrix(x, mat, sin, cos);
+    const Tensor xin = readable(x);
+    rome::Operand op{const_view(xin, "x", false), {}};
+    const Tensor out = alloc_like(x);
+    op.out = mutable_view(out, "out");
+    rome::rope_forward(*p.rotation, p.tables.tables, op);
+    return out;
+  });
+}
+
+void rope_matrix_inplace_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                             const Tensor& cos) {
+  guarded([&] {
+    const Prepared p = prepare_matrix(x, mat, sin, cos);
+    const rome::TensorView v = mutable_view(x, "x");
+    rome::rope_forward(*p.rotation, p.tables.tables, rome::Operand{rome::as_const(v), v});
+  });
+}
+
+// vLLM: query/key [T, H*D], [T, H, D] or [B, S, H*D]; the token axes are positions' axes.
+rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes,
+                           int64_t head_size) {
+  rome::TensorView v = mutable_view(t, name);
+  const int64_t extra = t.dim() - token_axes;
+  const std::string expected = "[T, H*" + std::to_string(head_size) + "], [T, H, " +
+                               std::to_string(head_size) + "] or [B, S, H*" +
+                               std::to_string(head_size) + "] matching positions' axes";
+  if (extra == 2) {
+    if (t.size(-1) != head_size)
+      rome::fail(rome::Status::invalid_argument, name, expected, shape_of(t));
+    return v;
+  }
+  if (extra != 1 || token_axes + 2 > rome::kMaxRank)
+    rome::fail(rome::Status::invalid_argument, name, expected, shape_of(t));
+  const int64_t last = t.size(-1);
+  if (last % head_size != 0)
+    rome::fail(rome::Status::invalid_argument, name,
+               "a last axis that is a multiple of head_size " + std::to_string(head_size),
+               shape_of(t));
+  const int64_t lane = t.stride(-1);
+  v.rank = static_cast<int>(t.dim() + 1);
+  v.shape[v.rank - 2] = last / head_size;
+  v.strides[v.rank - 2] = head_size * lane;
+  v.shape[v.rank - 1] = head_size;
+  v.strides[v.rank - 1] = lane;
+  return v;
+}
+
+void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const OptTensor& key,
+                          int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
+  guarded([&] {
+    if (head_size <= 0)
+      rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+                 std::to_string(head_size));
+    if (positions.dim() < 1 || positions.dim() > 2)
+      rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]", shape_of(positions));
+    if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0)
+      rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+                 "[max_position, rotary_dim] with an even rotary_dim", shape_of(cos_sin_cache));
+    const int64_t rd = cos_sin_cache.size(1);
+    if (rd > head_size)
+      rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+                 "rotary_dim (its last axis) at most head_size " + std::to_string(head_size),
+                 shape_of(cos_sin_cache));
+    rome::Rotation rotation = build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size,
+                                             std::nullopt, std::nullopt, "mat_b");
+    const int64_t token_axes = positions.dim();
+    const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
+    // positions [T] / [B, S] -> [T, 1] / [B, S, 1]: one position for every head.
+    rome::Tables tables;
+    tables.positions = const_view(positions, "positions", true);
+    tables.positions.rank = static_cast<int>(token_axes + 1);
+    tables.positions.shape[token_axes] = 1;
+    tables.positions.strides[token_axes] = 0;
+    const Tensor cos = cos_sin_cache.narrow(1, 0, rd / 2);
+    const Tensor sin = cos_sin_cache.narrow(1, rd / 2, rd / 2);
+    tables.cos = const_view(cos, "cos_sin_cache", false);
+    tables.sin = const_view(sin, "cos_sin_cache", false);
+    tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
+    const rome::Operand oq{rome::as_const(qv), qv};
+    rome::Operand ok;
+    if (has(key)) {
+      const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
+      ok = {rome::as_const(kv), kv};
+    }
+    rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr);
+  });
+}
+
+// ExecuTorch: x [B, N, C], freqs_cis with N*C elements, (cos, sin) pairs innermost.
+std::pair<Tensor, Tensor> interleaved_tables(const Tensor& freqs, c10::SymInt n, c10::SymInt c) {
+  const Tensor pairs = freqs.reshape_symint({n, c / 2, 2});
+  return {pairs.select(2, 0), pairs.select(2, 1)};
+}
+
+void check_interleaved(const Tensor& x, const Tensor& freqs) {
+  if (x.dim() != 3)
+    rome::fail(rome::Status::invalid_argument, "x", "[B, N, C] (rank 3)",
+               "rank " + std::to_string(x.dim()) + " " + shape_of(x));
+  if (x.size(2) % 2 != 0)
+    rome::fail(rome::Status::invalid_argument, "x", "an even last axis C", shape_of(x));
+  if (freqs.numel() != x.size(1) * x.size(2))
+    rome::fail(rome::Status::invalid_argument, "freqs_cis",
+               std::to_string(x.size(1) * x.size(2)) + " elements (N*C: [N, C/2, 2] cos/sin pairs)",
+               shape_of(freqs));
+}
+
+Tensor interleaved_cpu(const Tensor& x, const Tensor& freqs_cis) {
+  return guarded([&] {
+    check_interleaved(x, freqs_cis);
+    const rome::Rotation rotation =
+        build_rotation("interleave", {}, -1, x.size(2), std::nullopt, std::nullopt, "mat_b");
+    const auto [cos, sin] = interleaved_tables(freqs_cis, x.size(1), x.size(2));
+    rome::Tables tables;
+    tables.cos = const_view(cos, "freqs_cis", false);
+    tables.sin = const_view(sin, "freqs_cis", false);
+    tables.width = rome::TableWidth::pairs;
+    const Tensor xin = readable(x);
+    rome::Operand op{const_view(xin, "x", false), {}};
+    const Tensor out = alloc_like(x);
+    op.out = mutable_view(out, "out");
+    rome::rope_forward(rotation, tables, op);
+    return out;
+  });
+}
+
+// Gradients of the general op for q (and k), summed over both for the shared tables/matrices.
+// Outputs not asked for by output_mask are empty [0] tensors.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_cpu(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
+    const Tensor& cos, const Tensor& sin, const OptTensor& positions, c10::string_view rotation,
+    c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+    c10::IntArrayRef column_axis, const OptTensor& mat_a, const OptTensor& mat_b,
+    std::array<bool, 6> mask) {
+  return guarded([&] {
+    const Prepared p = prepare(grad_q, cos, sin, positions, rotation, blocks, rotary_dim,
+                               table_width, column_axis, mat_a, mat_b, "grad");
+    const int64_t rd = p.rotation->rotary_dim();
+    const auto f32 = q.options().dtype(at::kFloat);
+    const bool want_tables = mask[2] || mask[3];
+    const bool want_mats = mask[4] || mask[5];
+    Tensor dq = mask[0] ? alloc_like(grad_q) : empty_marker(q);
+    Tensor dk = mask[1] && has(k) ? alloc_like(*grad_k) : empty_marker(q);
+    // fp32 accumulators in the shape the core sees (effective tables), reduced afterwards.
+    Tensor dcos, dsin, da, db;
+    if (mask[2]) dcos = at::zeros(p.tables.cos.sizes(), f32);
+    if (mask[3]) dsin = at::zeros(p.tables.sin.sizes(), f32);
+    if (mask[4]) da = at::zeros({rd, rd}, f32);
+    if (mask[5]) db = at::zeros({rd, rd}, f32);
+
+    auto run = [&](const Tensor& g, const Tensor& x, const Tensor& dx, bool accumulate) {
+      const Tensor gin = readable(g), xin = readable(x);
+      rome::Gradients out;
+      if (dx.defined() && dx.numel() > 0) out.dx = mutable_view(dx, "dx");
+      Tensor c, s, a, b;
+      if (want_tables || want_mats) {
+        if (dcos.defined()) c = accumulate ? at::zeros_like(dcos) : dcos;
+        if (dsin.defined()) s = accumulate ? at::zeros_like(dsin) : dsin;
+        if (da.defined()) a = accumulate ? at::zeros_like(da) : da;
+        if (db.defined()) b = accumulate ? at::zeros_like(db) : db;
+        if (c.defined()) out.dcos = mutable_view(c, "dcos");
+        if (s.defined()) out.dsin = mutable_view(s, "dsin");
+        if (a.defined()) out.da = a.data_ptr<float>();
+        if (b.defined()) out.db = b.data_ptr<float>();
+      }
+      if (!out.dx.data && !out.dcos.data && !out.dsin.data && !out.da && !out.db) return;
+      rome::rope_backward(*p.rotation, p.tables.tables, const_view(gin, "grad", false),
+                          const_view(xin, "x", false), out);
+      if (accumulate) {
+        if (c.defined()) dcos.add_(c);
+        if (s.defined()) dsin.add_(s);
+        if (a.defined()) da.add_(a);
+        if (b.defined()) db.add_(b);
+      }
+    };
+    const bool need_q_pass = mask[0] || want_tables || want_mats;
+    if (need_q_pass)
+      run(grad_q, want_tables || want_mats ? q : grad_q, mask[0] ? dq : Tensor(), false);
+    if (has(k) && has(grad_k) && (mask[1] || want_tables || want_mats)) {
+      // Tables/matrices: a second pass whose gradients are added to the first one's.
+      const bool with_x = want_tables || want_mats;
+      run(*grad_k, with_x ? *k : *grad_k, mask[1] ? dk : Tensor(), with_x);
+    }
+
+    // Back to the caller's shapes and dtypes.
+    auto to_table = [&](Tensor d, const Tensor& like) {
+      if (d.sizes() != like.sizes()) {
+        if (d.dim() < like.dim()) {
+          std::vector<int64_t> shape(like.dim() - d.dim(), 1);
+          for (int64_t s : d.sizes()) shape.push_back(s);
+          d = d.view(shape);
+        }
+        d = at::sum_to(d, like.sizes());
+      }
+      return d.to(like.scalar_type()).contiguous();
+    };
+    Tensor rcos = mask[2] ? to_table(dcos, cos) : empty_marker(q);
+    Tensor rsin = mask[3] ? to_table(dsin, sin) : empty_marker(q);
+    Tensor rda = mask[4] && has(mat_a) ? da.to(mat_a->scalar_type()) : empty_marker(q);
+    Tensor rdb = mask[5] && has(mat_b) ? db.to(mat_b->scalar_type()) : empty_marker(q);
+    return std::make_tuple(dq, dk, rcos, rsin, rda, rdb);
+  });
+}
+
+// ----------------------------------------------------------------------------------------------
+// Meta kernels: fresh outputs with the CPU kernels' shapes, dtypes and strides.
+
+std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor&,
+                                     const Tensor&, const OptTensor&, c10::string_view,
+                                     c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef,
+                                     const OptTensor&, const OptTensor&) {
+  return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
+}
+
+void rope_inplace_meta(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                       const OptTensor&, c10::string_view, c10::IntArrayRef, int64_t,
+                       c10::string_view, c10::IntArrayRef, const OptTensor&, const OptTensor&) {}
+
+Tensor rope_matrix_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&) {
+  return alloc_like(x);
+}
+
+void rope_matrix_inplace_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {}
+
+void rotary_embedding_meta(const Tensor&, const Tensor&, const OptTensor&, int64_t, const Tensor&,
+                           bool) {}
+
+Tensor interleaved_meta(const Tensor& x, const Tensor&) {
+  return alloc_like(x);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_meta(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
+    const Tensor& cos, const Tensor& sin, const OptTensor&, c10::string_view, c10::IntArrayRef,
+    int64_t, c10::string_view, c10::IntArrayRef, const OptTensor& mat_a, const OptTensor& mat_b,
+    std::array<bool, 6> mask) {
+  auto table = [](const Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
+  return std::make_tuple(mask[0] ? alloc_like(grad_q) : empty_marker(q),
+                         mask[1] && has(k) ? alloc_like(*grad_k) : empty_marker(q),
+                         mask[2] ? table(cos) : empty_marker(q),
+                         mask[3] ? table(sin) : empty_marker(q),
+                         mask[4] && has(mat_a) ? table(*mat_a) : empty_marker(q),
+                         mask[5] && has(mat_b) ? table(*mat_b) : empty_marker(q));
+}
+
+// ----------------------------------------------------------------------------------------------
+// Autograd
+
+using torch::autograd::AutogradContext;
+using torch::autograd::variable_list;
+
+// Edge index of each forward argument that is a defined tensor (-1 otherwise), for
+// ctx->needs_input_grad.
+struct Edges {
+  std::vector<int64_t> index;
+  int64_t next = 0;
+  void add(bool is_tensor) { index.push_back(is_tensor ? next++ : -1); }
+};
+
+bool needs(AutogradContext* ctx, int64_t argument) {
+  const auto edges = ctx->saved_data["edges"].toIntVector();
+  return edges[argument] >= 0 && ctx->needs_input_grad(edges[argument]);
+}
+
+bool requires_grad(const OptTensor& t) {
+  return has(t) && t->requires_grad();
+}
+
+Tensor or_undefined(const OptTensor& t) {
+  return has(t) ? *t : Tensor();
+}
+OptTensor optional(const Tensor& t) {
+  return t.defined() ? OptTensor(t) : std::nullopt;
+}
+Tensor grad_or_none(bool wanted, const Tensor& t) {
+  return wanted ? t : Tensor();
+}
+
+// Inference calls (grad mode off, or nothing requiring grad) skip the autograd node entirely.
+bool grad_needed(std::initializer_list<OptTensor> inputs) {
+  if (!at::GradMode::is_enabled()) return false;
+  for (const OptTensor& t : inputs)
+    if (requires_grad(t)) return true;
+  return false;
+}
+
+void no_cache_gradient(const OptTensor& positions, const Tensor& cos, const Tensor& sin) {
+  if (has(positions) && at::GradMode::is_enabled() && (cos.requires_grad() || sin.requires_grad()))
+    TORCH_CHECK_NOT_IMPLEMENTED(false,
+                                "rome: cos: expected direct tables (or tables that do not require "
+                                "grad) for a table gradient, got a cache gathered by positions "
+                                "(a cache has no table gradient)");
+}
+
+struct RopeFunction : torch::autograd::Function<RopeFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const OptTensor& k,
+                               const Tensor& cos, const Tensor& sin, const OptTensor& positions,
+                               std::string rotation, std::vector<int64_t> blocks,
+                               int64_t rotary_dim, std::string table_width,
+                               std::vector<int64_t> column_axis, const OptTensor& mat_a,
+                               const OptTensor& mat_b) {
+    ROME_OP(op, "rome::rope", RopeSig);
+    Edges e;
+    for (bool t : {true, has(k), true, true, has(positions), false, false, false, false, false,
+                   has(mat_a), has(mat_b)})
+      e.add(t);
+    ctx->saved_data["edges"] = e.index;
+    ctx->saved_data["rotation"] = rotation;
+    ctx->saved_data["blocks"] = blocks;
+    ctx->saved_data["rotary_dim"] = rotary_dim;
+    ctx->saved_data["table_width"] = table_width;
+    ctx->saved_data["column_axis"] = column_axis;
+    ctx->saved_data["has_k"] = has(k);
+    const bool keep_x =
+        cos.requires_grad() || sin.requires_grad() || requires_grad(mat_a) || requires_grad(mat_b);
+    ctx->save_for_backward({keep_x ? q : Tensor(), keep_x ? or_undefined(k) : Tensor(), cos, sin,
+                            or_undefined(positions), or_undefined(mat_a), or_undefined(mat_b)});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [yq, yk] = op.call(q, k, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                            column_axis, mat_a, mat_b);
+    if (!has(k)) ctx->mark_non_differentiable({yk});
+    return {yq, yk};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    ROME_OP(op, "rome::_rope_backward", BackwardSig);
+    const auto saved = ctx->get_saved_variables();
+    const bool has_k = ctx->saved_data["has_k"].toBool();
+    std::array<bool, 6> mask = {needs(ctx, 0), has_k && needs(ctx, 1), needs(ctx, 2),
+                                needs(ctx, 3), needs(ctx, 10),         needs(ctx, 11)};
+    const Tensor& gq = grads[0];
+    const OptTensor gk = has_k ? OptTensor(grads[1]) : std::nullopt;
+    const bool keep_x = mask[2] || mask[3] || mask[4] || mask[5];
+    const Tensor q = keep_x ? saved[0] : gq;
+    const OptTensor k = has_k ? OptTensor(keep_x ? saved[1] : grads[1]) : std::nullopt;
+    const auto blocks = ctx->saved_data["blocks"].toIntVector();
+    const auto column_axis = ctx->saved_data["column_axis"].toIntVector();
+    const std::string rotation = ctx->saved_data["rotation"].toStringRef();
+    const std::string width = ctx->saved_data["table_width"].toStringRef();
+    auto [dq, dk, dcos, dsin, da, db] =
+        op.call(gq, gk, q, k, saved[2], saved[3], optional(saved[4]), rotation, blocks,
+                ctx->saved_data["rotary_dim"].toInt(), width, column_axis, optional(saved[5]),
+                optional(saved[6]), mask);
+    return {grad_or_none(mask[0], dq),
+            grad_or_none(mask[1], dk),
+            grad_or_none(mask[2], dcos),
+            grad_or_none(mask[3], dsin),
+            Tensor(),
+            Tensor(),
+            Tensor(),
+            Tensor(),
+            Tensor(),
+            Tensor(),
+            grad_or_none(mask[4], da),
+            grad_or_none(mask[5], db)};
+  }
+};
+
+std::tuple<Tensor, Tensor> rope_autograd(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                                         const Tensor& sin, const OptTensor& positions,
+                                         c10::string_view rotation, c10::IntArrayRef blocks,
+                                         int64_t rotary_dim, c10::string_view table_width,
+                                         c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                                         const OptTensor& mat_b) {
+  no_cache_gradient(positions, cos, sin);
+  if (!grad_needed({q, k, cos, sin, mat_a, mat_b})) {
+    ROME_OP(op, "rome::rope", RopeSig);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(q, k, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                   column_axis, mat_a, mat_b);
+  }
+  auto out =
+      RopeFunction::apply(q, k, cos, sin, positions, std::string(rotation), to_vec(blocks),
+                          rotary_dim, std::string(table_width), to_vec(column_axis), mat_a, mat_b);
+  return std::make_tuple(out[0], out[1]);
+}
+
+struct RopeMatrixFunction : torch::autograd::Function<RopeMatrixFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mat, const Tensor& sin,
+                        const Tensor& cos) {
+    ROME_OP(op, "rome::rope_matrix", RopeMatrixSig);
+    const bool keep_x = mat.requires_grad() || sin.requires_grad() || cos.requires_grad();
+    ctx->save_for_backward({keep_x ? x : Tensor(), mat, sin, cos});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, mat, sin, cos);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    ROME_OP(op, "rome::_rope_backward", BackwardSig);
+    const auto s = ctx->get_saved_variables();
+    // Edges: x 0, mat 1, sin 2, cos 3.
+    std::array<bool, 6> mask = {ctx->needs_input_grad(0), false, ctx->needs_input_grad(3),
+                                ctx->needs_input_grad(2), false, ctx->needs_input_grad(1)};
+    const bool keep_x = mask[2] || mask[3] || mask[5];
+    auto [dx, dk, dcos, dsin, da, db] =
+        op.call(grads[0], std::nullopt, keep_x ? s[0] : grads[0], std::nullopt, s[3], s[2],
+                std::nullopt, "dense", {}, -1, "full", {}, std::nullopt, s[1], mask);
+    return {grad_or_none(mask[0], dx), grad_or_none(mask[5], db), grad_or_none(mask[3], dsin),
+            grad_or_none(mask[2], dcos)};
+  }
+};
+
+Tensor rope_matrix_autograd(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                            const Tensor& cos) {
+  if (!grad_needed({x, mat, sin, cos})) {
+    ROME_OP(op, "rome::rope_matrix", RopeMatrixSig);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, mat, sin, cos);
+  }
+  return RopeMatrixFunction::apply(x, mat, sin, cos);
+}
+
+struct InterleavedFunction : torch::autograd::Function<InterleavedFunction> {
+  static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& freqs) {
+    ROME_OP(op, "rome::apply_rotary_emb_interleaved", InterleavedSig);
+    ctx->save_for_backward({freqs.requires_grad() ? x : Tensor(), freqs});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, freqs);
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    ROME_OP(op, "rome::_rope_backward", BackwardSig);
+    const auto s = ctx->get_saved_variables();
+    const Tensor& g = grads[0];
+    const Tensor& freqs = s[1];
+    const bool want_freqs = ctx->needs_input_grad(1);
+    std::array<bool, 6> mask = {
+        ctx->needs_input_grad(0), false, want_freqs, want_freqs, false, false};
+    const auto [cos, sin] = interleaved_tables(freqs, g.sym_size(1), g.sym_size(2));
+    auto [dx, dk, dcos, dsin, da, db] =
+        op.call(g, std::nullopt, want_freqs ? s[0] : g, std::nullopt, cos, sin, std::nullopt,
+                "interleave", {}, -1, "pairs", {}, std::nullopt, std::nullopt, mask);
+    Tensor dfreqs;
+    if (want_freqs) dfreqs = at::stack({dcos, dsin}, -1).reshape_symint(freqs.sym_sizes());
+    return {grad_or_none(mask[0], dx), dfreqs};
+  }
+};
+
+Tensor interleaved_autograd(const Tensor& x, const Tensor& freqs_cis) {
+  if (!grad_needed({x, freqs_cis})) {
+    ROME_OP(op, "rome::apply_rotary_emb_interleaved", InterleavedSig);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(x, freqs_cis);
+  }
+  return InterleavedFunction::apply(x, freqs_cis);
+}
+
+// In-place ops are inference only.
+void inference_only(const char* op, std::initializer_list<OptTensor> inputs) {
+  if (!at::GradMode::is_enabled()) return;
+  for (const OptTensor& t : inputs)
+    TORCH_CHECK(!requires_grad(t), "rome::", op,
+                ": the in-place op is inference only, but an input requires grad; use the "
+                "out-of-place op (rome.ops.rope / rome.ops.rope_matrix) for training, or call it "
+                "under torch.no_grad() / torch.inference_mode()");
+}
+
+void rope_inplace_autograd(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                           const Tensor& sin, const OptTensor& positions, c10::string_view rotation,
+                           c10::IntArrayRef blocks, int64_t rotary_dim,
+                           c10::string_view table_width, c10::IntArrayRef column_axis,
+                           const OptTensor& mat_a, const OptTensor& mat_b) {
+  ROME_OP(op, "rome::rope_", RopeInplaceSig);
+  inference_only("rope_", {q, k, cos, sin, mat_a, mat_b});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(q, k, cos, sin, positions, rotation, blocks, rotary_dim, table_width, column_axis, mat_a,
+          mat_b);
+}
+
+void rope_matrix_inplace_autograd(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                                  const Tensor& cos) {
+  ROME_OP(op, "rome::rope_matrix_", RopeMatrixInplaceSig);
+  inference_only("rope_matrix_", {x, mat, sin, cos});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(x, mat, sin, cos);
+}
+
+void rotary_embedding_autograd(const Tensor& positions, const Tensor& query, const OptTensor& key,
+                               int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
+  ROME_OP(op, "rome::rotary_embedding", RotaryEmbeddingSig);
+  inference_only("rotary_embedding", {query, key, cos_sin_cache});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
+}
+
+// ADInplaceOrView: bump the version counters of mutated tensors.
+void bump(const OptTensor& t) {
+  if (has(t)) torch::autograd::impl::bump_version(*t);
+}
+
+void rope_inplace_view(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const OptTensor& positions, c10::string_view rotation,
+                       c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+                       c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                       const OptTensor& mat_b) {
+  ROME_OP(op, "rome::rope_", RopeInplaceSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(q, k, cos, sin, positions, rotation, blocks, rotary_dim, table_width, column_axis,
+            mat_a, mat_b);
+  }
+  bump(q);
+  bump(k);
+}
+
+void rope_matrix_inplace_view(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                              const Tensor& cos) {
+  ROME_OP(op, "rome::rope_matrix_", RopeMatrixInplaceSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(x, mat, sin, cos);
+  }
+  bump(x);
+}
+
+void rotary_embedding_view(const Tensor& positions, const Tensor& query, const OptTensor& key,
+                           int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
+  ROME_OP(op, "rome::rotary_embedding", RotaryEmbeddingSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
+  }
+  bump(query);
+  bump(key);
+}
+
+}  // namespace
+
+TORCH_LIBRARY(rome, m) {
+  m.def("rope_matrix(Tensor x, Tensor mat, Tensor sin, Tensor cos) -> Tensor");
+  // Returns nothing (not Tensor(a!)): functionalization (torch.compile, export) rejects custom
+  // ops whose outputs alias an input. rome.ops.rope_matrix_ returns x.
+  m.def("rope_matrix_(Tensor(a!) x, Tensor mat, Tensor sin, Tensor cos) -> ()");
+  m.def(
+      "rope(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor? positions=None, "
+      "str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, str table_width=\"full\", "
+      "int[] column_axis=[], Tensor? mat_a=None, Tensor? mat_b=None) -> (Tensor, Tensor)");
+  m.def(
+      "rope_(Tensor(a!) q, Tensor(b!)? k, Tensor cos, Tensor sin, Tensor? positions=None, "
+      "str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, str table_width=\"full\", "
+      "int[] column_axis=[], Tensor? mat_a=None, Tensor? mat_b=None) -> ()");
+  m.def(
+      "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
+      "Tensor cos_sin_cache, bool is_neox) -> ()");
+  m.def("apply_rotary_emb_interleaved(Tensor x, Tensor freqs_cis) -> Tensor");
+  // Backward of every op above (internal): grads of (q, k, cos, sin, mat_a, mat_b); outputs not
+  // in output_mask are empty [0] tensors.
+  m.def(
+      "_rope_backward(Tensor grad_q, Tensor? grad_k, Tensor q, Tensor? k, Tensor cos, Tensor sin, "
+      "Tensor? positions, str rotation, int[] blocks, int rotary_dim, str table_width, "
+      "int[] column_axis, Tensor? mat_a, Tensor? mat_b, bool[6] output_mask) -> "
+      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+}
+
+TORCH_LIBRARY_IMPL(rome, CPU, m) {
+  m.impl("rope_matrix", rope_matrix_cpu);
+  m.impl("rope_matrix_", rope_matrix_inplace_cpu);
+  m.impl("rope", rope_cpu);
+  m.impl("rope_", rope_inplace_cpu);
+  m.impl("rotary_embedding", rotary_embedding_cpu);
+  m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
+  m.impl("_rope_backward", rope_backward_cpu);
+}
+
+TORCH_LIBRARY_IMPL(rome, Meta, m) {
+  m.impl("rope_matrix", rope_matrix_meta);
+  m.impl("rope_matrix_", rope_matrix_inplace_meta);
+  m.impl("rope", rope_meta);
+  m.impl("rope_", rope_inplace_meta);
+  m.impl("rotary_embedding", rotary_embedding_meta);
+  m.impl("apply_rotary_emb_interleaved", interleaved_meta);
+  m.impl("_rope_backward", rope_backward_meta);
+}
+
+TORCH_LIBRARY_IMPL(rome, Autograd, m) {
+  m.impl("rope_matrix", rope_matrix_autograd);
+  m.impl("rope_matrix_", rope_matrix_inplace_autograd);
+  m.impl("rope", rope_autograd);
+  m.impl("rope_", rope_inplace_autograd);
+  m.impl("rotary_embedding", rotary_embedding_autograd);
+  m.impl("apply_rotary_emb_interleaved", interleaved_autograd);
+}
+
+TORCH_LIBRARY_IMPL(rome, ADInplaceOrView, m) {
+  m.impl("rope_matrix_", rope_matrix_inplace_view);
+  m.impl("rope_", rope_inplace_view);
+  m.impl("rotary_embedding", rotary_embedding_view);
+}
+
+}  // namespace rome_torch

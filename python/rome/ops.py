@@ -1,0 +1,173 @@
+"""The RoME operators (``torch.ops.rome.*``), with documented Python wrappers.
+
+Every operator computes ``y = (x @ A) * cos + (x @ B) * sin`` over the last axis of ``x`` (the
+head, of size D) with math in fp32 and one rounding to ``x``'s dtype. ``x`` may be float32,
+float16 or bfloat16, rank 2 to 5, any strides with a contiguous last axis (out-of-place ops copy
+an input whose last axis is strided). Tables may be float32, float16 or bfloat16 independently
+of ``x``.
+
+Errors raised by the library name the argument, what was expected and what was given:
+``ValueError`` (invalid argument), ``IndexError`` (a position outside the cache),
+``NotImplementedError`` (valid but unsupported). Outputs and in-place inputs are left untouched
+when an error is raised.
+
+All out-of-place operators support autograd (q/k/x, direct cos/sin tables and matrices); the
+in-place ones are inference only.
+"""
+
+from typing import Optional, Sequence, Tuple
+
+import torch
+
+from . import _C  # noqa: F401  (registers torch.ops.rome)
+
+__all__ = [
+    "rope_matrix",
+    "rope_matrix_",
+    "rope",
+    "rope_",
+    "rotary_embedding",
+    "apply_rotary_emb_interleaved",
+]
+
+
+def rope_matrix(x: torch.Tensor, mat: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """The original RoME signature: ``x * cos + (x @ mat) * sin`` — note **sin before cos**.
+
+    Args:
+        x: [..., D], rank 2 to 5 (BNSD, BSND, [T, D], ...).
+        mat: [D, D], any matrix in any float dtype. Signed permutations (half, interleave,
+            quarter, block diagonals of those; see :mod:`rome.matrices`) run as pure vector
+            permutes; other matrices as a matrix product.
+        sin, cos: broadcastable to ``x`` with last axis D (e.g. [1, 1, S, D], [B, 1, S, D],
+            [S, D], [1, S, 1, D]).
+
+    Returns:
+        A new tensor with ``x``'s shape and dtype. Differentiable in x, mat, sin and cos.
+    """
+    return torch.ops.rome.rope_matrix(x, mat, sin, cos)
+
+
+def rope_matrix_(x: torch.Tensor, mat: torch.Tensor, sin: torch.Tensor, cos: torch.Tensor) -> torch.Tensor:
+    """In-place :func:`rope_matrix` (inference only); returns ``x``.
+
+    The operator ``torch.ops.rome.rope_matrix_`` itself returns nothing (functionalization, used
+    by torch.compile and export, does not accept custom ops returning an alias of an input)."""
+    torch.ops.rome.rope_matrix_(x, mat, sin, cos)
+    return x
+
+
+def _int_list(values: Optional[Sequence[int]]) -> list:
+    return [] if values is None else [int(v) for v in values]
+
+
+def rope(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    rotation: str = "half",
+    blocks: Optional[Sequence[int]] = None,
+    rotary_dim: int = -1,
+    table_width: str = "full",
+    column_axis: Optional[Sequence[int]] = None,
+    mat_a: Optional[torch.Tensor] = None,
+    mat_b: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The general RoME operator: rotates ``q`` and ``k`` in one pass over the tables.
+
+    Args:
+        q: [..., D], rank 2 to 5.
+        k: like ``q`` or ``None``. May have fewer heads (GQA/MQA): its shape must equal q's on
+            every axis the tables vary along.
+        cos, sin: either **direct tables**, broadcastable to q with last axis = table width
+            (e.g. [1, 1, S, W], [B, 1, S, W], [S, W]); or, when ``positions`` is given, a
+            **cache** [P, W] whose rows are gathered by position.
+        positions: int32/int64 positions into the cache, of rank ``q.dim() - 1`` (fewer leading
+            axes broadcast), broadcastable to ``q.shape[:-1]``. With ``column_axis`` it has one
+            more trailing axis holding one position per axis (t, h, w, ...: MRoPE, grids).
+            A position outside ``[0, P)`` raises ``IndexError``.
+        rotation: ``"half"`` (NeoX rotate_half), ``"interleave"`` (GPT-J), ``"quarter"``,
+            ``"interleave_half"`` (DeepSeek MLA: de-interleave then rotate half; output in
+            de-interleaved order) or ``"dense"`` (``mat_b`` and optional ``mat_a``).
+        blocks: block sizes of a block-diagonal rotation of that kind, summing to rotary_dim
+            (e.g. [44, 44, 40] for 3D RoPE with half blocks). Empty: one block.
+        rotary_dim: lanes rotated (-1: all of D). Smaller means partial rotary: lanes past
+            rotary_dim pass through unchanged, and tables cover only rotary_dim lanes.
+        table_width: ``"full"`` (W = rotary_dim, one column per lane), ``"halves"``
+            (W = rotary_dim/2, lane j reads column j % W: NeoX caches) or ``"pairs"``
+            (W = rotary_dim/2, lane j reads column j // 2: GPT-J caches).
+        column_axis: with positions, the axis (index into positions' last axis) each table
+            column reads its position from (W entries).
+        mat_a, mat_b: [rotary_dim, rotary_dim] matrices for ``rotation="dense"``.
+
+    Returns:
+        ``(q_out, k_out)``; ``k_out`` is an empty tensor of shape [0] when ``k`` is None.
+        Differentiable in q, k, direct cos/sin, mat_a and mat_b.
+    """
+    return torch.ops.rome.rope(
+        q, k, cos, sin, positions, rotation, _int_list(blocks), int(rotary_dim), table_width,
+        _int_list(column_axis), mat_a, mat_b,
+    )
+
+
+def rope_(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: Optional[torch.Tensor] = None,
+    rotation: str = "half",
+    blocks: Optional[Sequence[int]] = None,
+    rotary_dim: int = -1,
+    table_width: str = "full",
+    column_axis: Optional[Sequence[int]] = None,
+    mat_a: Optional[torch.Tensor] = None,
+    mat_b: Optional[torch.Tensor] = None,
+) -> None:
+    """In-place :func:`rope` on ``q`` (and ``k``). Inference only: raises if an input requires
+    grad while grad mode is on. Partial rotary leaves the pass-through lanes untouched."""
+    torch.ops.rome.rope_(
+        q, k, cos, sin, positions, rotation, _int_list(blocks), int(rotary_dim), table_width,
+        _int_list(column_axis), mat_a, mat_b,
+    )
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: Optional[torch.Tensor],
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    """vLLM's ``rotary_embedding`` contract, in place.
+
+    Args:
+        positions: [T] or [B, S] int32/int64.
+        query: [T, H*D], [T, H, D] or [B, S, H*D] (D = head_size); row-strided slices of a fused
+            qkv buffer work without copies.
+        key: like query (may have fewer heads) or None.
+        head_size: D.
+        cos_sin_cache: [max_position, rotary_dim] = cat(cos, sin) of rotary_dim/2 columns each.
+            rotary_dim < head_size is partial rotary.
+        is_neox: NeoX rotate_half (True) or GPT-J interleave (False).
+    """
+    torch.ops.rome.rotary_embedding(positions, query, key, int(head_size), cos_sin_cache, bool(is_neox))
+
+
+def apply_rotary_emb_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """ExecuTorch's ``apply_rotary_emb_interleaved`` contract (complex pair rotation).
+
+    Args:
+        x: [B, N, C] with (real, imag) pairs interleaved along C.
+        freqs_cis: any shape with N*C elements whose flattened layout is [N, C/2, 2]
+            (cos, sin) pairs, e.g. [1, N, C/2, 2] or [N, C].
+
+    Returns:
+        ``out[..., 2k] = x[2k] cos[k] - x[2k+1] sin[k]``,
+        ``out[..., 2k+1] = x[2k] sin[k] + x[2k+1] cos[k]``, x's dtype. Differentiable in x and
+        freqs_cis.
+    """
+    return torch.ops.rome.apply_rotary_emb_interleaved(x, freqs_cis)
