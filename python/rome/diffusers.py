@@ -1,0 +1,125 @@
+"""Drop-in for diffusers' ``apply_rotary_emb`` (``diffusers.models.embeddings``), built on
+:func:`rome.ops.rope`.
+
+diffusers computes ``(x.float() * cos + x_rotated.float() * sin).to(x.dtype)``: math in fp32,
+one rounding to x's dtype — as RoME does, so the results agree to the last bit except where fp32
+rounding of the sum differs (at most one ulp of x's dtype; see tests/python/test_dropins.py).
+
+- ``use_real_unbind_dim=-1`` (Flux, CogVideoX, HunyuanDiT, Wan-style tables): pairs
+  ``(x[2i], x[2i+1])`` rotate — RoME's ``"interleave"`` rotation, tables
+  ``[c0, c0, c1, c1, ...]`` (``get_1d_rotary_pos_embed(..., repeat_interleave_real=True)``).
+- ``use_real_unbind_dim=-2`` (Stable Audio, OmniGen, CogView4, Cosmos): halves rotate — RoME's
+  ``"half"`` rotation, tables ``[c0..c(n-1), c0..c(n-1)]``.
+- ``use_real=False`` (Lumina): complex ``freqs_cis`` [..., S, D/2] multiplying the (real, imag)
+  pairs of x [B, S, H, D] — also RoME's ``"interleave"`` rotation, reading cos = real part,
+  sin = imaginary part with ``table_width="pairs"``. Implemented (complex128 tables run
+  diffusers' own complex math, as do inputs RoME's kernels do not take).
+
+The tables are used as given (per-lane values, no pair symmetry assumed), in their own dtype.
+"""
+
+from typing import Tuple, Union
+
+import torch
+
+from . import ops
+
+__all__ = ["apply_rotary_emb"]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
+    """diffusers' formula (diffusers/models/embeddings.py, apply_rotary_emb), for inputs the
+    kernels do not take."""
+    if use_real:
+        cos, sin = freqs_cis
+        if sequence_dim == 2:
+            cos, sin = cos[None, None, :, :], sin[None, None, :, :]
+        else:
+            cos, sin = cos[None, :, None, :], sin[None, :, None, :]
+        cos, sin = cos.to(x.device), sin.to(x.device)
+        if use_real_unbind_dim == -1:
+            x_real, x_imag = x.reshape(*x.shape[:-1], -1, 2).unbind(-1)
+            x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+        else:
+            x_real, x_imag = x.reshape(*x.shape[:-1], 2, -1).unbind(-2)
+            x_rotated = torch.cat([-x_imag, x_real], dim=-1)
+        return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+    x_rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(2)
+    x_out = torch.view_as_real(x_rotated * freqs_cis).flatten(3)
+    return x_out.type_as(x)
+
+
+def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> bool:
+    return (
+        x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and x.dim() == 4
+        and cos.dtype in _KERNEL_DTYPES and sin.dtype in _KERNEL_DTYPES
+        and cos.shape == sin.shape and cos.dim() <= 4 and cos.shape[-1] == width
+        and x.shape[-1] % 2 == 0 and x.shape[-1] > 0
+    )
+
+
+def _broadcasts_to(shape, target) -> bool:
+    if len(shape) > len(target):
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
+    except RuntimeError:
+        return False
+
+
+def apply_rotary_emb(
+    x: torch.Tensor,
+    freqs_cis: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+    use_real: bool = True,
+    use_real_unbind_dim: int = -1,
+    sequence_dim: int = 2,
+) -> torch.Tensor:
+    """diffusers' ``apply_rotary_emb`` through RoME (same signature, same results).
+
+    Args:
+        x: [B, H, S, D] (``sequence_dim=2``) or [B, S, H, D] (``sequence_dim=1``); with
+            ``use_real=False``, [B, S, H, D].
+        freqs_cis: ``(cos, sin)`` [S, D] when ``use_real``; else complex [S, D/2] or
+            [B, S, D/2] (unsqueezed at axis 2, as diffusers does).
+        use_real: real (cos, sin) tables, or complex frequencies.
+        use_real_unbind_dim: -1 interleaved pairs, -2 halves.
+        sequence_dim: 2 or 1 (the axis of x holding the sequence).
+
+    Returns:
+        A new tensor with x's shape and dtype. Differentiable in x and (real) cos/sin.
+    """
+    if use_real:
+        if sequence_dim not in (1, 2):
+            raise ValueError(f"`sequence_dim={sequence_dim}` but should be 1 or 2.")
+        if use_real_unbind_dim not in (-1, -2):
+            raise ValueError(
+                f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
+        cos, sin = freqs_cis  # [S, D]
+        d = x.shape[-1] if x.dim() else 0
+        if (cos.dim() != 2 or not _kernel_ok(x, cos, sin, d)
+                or cos.device.type != "cpu" or sin.device.type != "cpu"):
+            return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        if sequence_dim == 2:
+            cos_b, sin_b = cos[None, None, :, :], sin[None, None, :, :]
+        else:
+            cos_b, sin_b = cos[None, :, None, :], sin[None, :, None, :]
+        if not _broadcasts_to(cos_b.shape[:-1], x.shape[:-1]):
+            return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        rotation = "interleave" if use_real_unbind_dim == -1 else "half"
+        return ops.rope(x, None, cos_b, sin_b, rotation=rotation)[0]
+
+    # Complex frequencies (Lumina): freqs_cis.unsqueeze(2) multiplies x's (real, imag) pairs.
+    freqs = freqs_cis.unsqueeze(2)
+    if (not torch.is_tensor(freqs_cis) or freqs_cis.dtype != torch.complex64
+            or freqs_cis.device.type != "cpu" or x.device.type != "cpu"
+            or x.dtype not in _KERNEL_DTYPES or x.dim() != 4 or x.shape[-1] % 2
+            or freqs.shape[-1] != x.shape[-1] // 2
+            or not _broadcasts_to(freqs.shape[:-1], x.shape[:-1])
+            or (torch.is_grad_enabled() and freqs_cis.requires_grad)):
+        return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+    cos = freqs.real.contiguous()
+    sin = freqs.imag.contiguous()
+    return ops.rope(x, None, cos, sin, rotation="interleave", table_width="pairs")[0]

@@ -1,0 +1,495 @@
+"""Drop-ins for HuggingFace transformers, built on :func:`rome.ops.rope`.
+
+- :func:`apply_rotary_pos_emb` — transformers' Llama ``apply_rotary_pos_emb`` (NeoX
+  ``rotate_half`` RoPE; cos/sin [B, S, D]; q/k [B, H, S, D] with ``unsqueeze_dim=1`` or
+  [B, S, H, D] with ``unsqueeze_dim=2``).
+- :func:`apply_multimodal_rotary_pos_emb` — Qwen2-VL's MRoPE (transformers 4.x signature; cos/sin
+  [3, B, S, D] per position axis, ``mrope_section`` e.g. [16, 24, 24]). transformers 5.x folds the
+  section selection into ``Qwen2VLRotaryEmbedding`` and calls plain ``apply_rotary_pos_emb``, so
+  :func:`patch_model` covers Qwen2-VL's text model there.
+- :func:`patch_model` / :func:`patch_module` — make a loaded model's attention layers use RoME.
+
+Results equal transformers' function: same output shapes and dtypes (the promoted dtype of q and
+the tables, as ``q * cos`` gives), with the values of the same formula. RoME computes in fp32 and
+rounds once, where transformers rounds ``q * cos``, ``rotate_half(q) * sin`` and their sum to the
+output dtype: in fp32 the two agree to a few fp32 ulps, in bf16/fp16 to one ulp of the result plus
+half an ulp of each product (see tests/python/test_dropins.py). Inputs RoME does not take (not on
+the CPU, float64, rank above 5, tables that broadcast q to a larger shape) run transformers'
+formula in eager PyTorch instead, so the drop-in never fails where transformers would not.
+"""
+
+import ast
+import inspect
+import sys
+import textwrap
+import threading
+import warnings
+from types import ModuleType
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from . import ops
+
+__all__ = [
+    "apply_rotary_pos_emb",
+    "apply_multimodal_rotary_pos_emb",
+    "patch_model",
+    "patch_module",
+    "HFPatch",
+]
+
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+# ------------------------------------------------------------------------------------------------
+# Reference math (transformers' own formulas), used where RoME's kernels do not apply.
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2:]
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def _eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' ``x * cos + rotate_half(x) * sin``, partial when cos is narrower than x."""
+    rd = cos.shape[-1]
+    if rd == x.shape[-1]:
+        return (x * cos) + (_rotate_half(x) * sin)
+    x_rot, x_pass = x[..., :rd], x[..., rd:]
+    return torch.cat([(x_rot * cos) + (_rotate_half(x_rot) * sin), x_pass], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------
+# The RoME path.
+
+def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
+    # x * cos + rotate_half(x) * sin: the promoted dtype of the three (tensors of any rank > 0).
+    return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
+
+
+def _broadcasts_to(shape, target) -> bool:
+    """True when a tensor of `shape` broadcasts to `target` without growing it."""
+    if len(shape) > len(target):
+        return False
+    try:
+        return tuple(torch.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
+    except RuntimeError:
+        return False
+
+
+def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
+    """Whether RoME's kernel takes x with direct tables cos/sin (already unsqueezed)."""
+    out = _out_dtype(x, cos, sin)
+    d, rd = x.shape[-1] if x.dim() else 0, cos.shape[-1] if cos.dim() else 0
+    return (
+        x.device.type == "cpu" and cos.device.type == "cpu" and sin.device.type == "cpu"
+        and out in _KERNEL_DTYPES and cos.dtype in _KERNEL_DTYPES and sin.dtype in _KERNEL_DTYPES
+        and 2 <= x.dim() <= 5 and cos.shape == sin.shape
+        and rd > 0 and rd % 2 == 0 and rd <= d
+        and _broadcasts_to(cos.shape[:-1], x.shape[:-1])
+    )
+
+
+def _rope_qk(
+    q: torch.Tensor, k: Optional[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor
+) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """transformers' ``(q * cos + rotate_half(q) * sin, k * cos + ...)`` for tables broadcastable
+    to q and k (already unsqueezed); cos narrower than q means partial rotary (GPT-NeoX, Phi)."""
+    rd = cos.shape[-1] if cos.dim() else 0
+    q_ok = _kernel_ok(q, cos, sin)
+    k_ok = k is None or _kernel_ok(k, cos, sin)
+    if not q_ok:
+        q_out = _eager(q, cos, sin)
+    if k is not None and not k_ok:
+        k_out = _eager(k, cos, sin)
+    if q_ok or (k is not None and k_ok):
+        q_in = q.to(_out_dtype(q, cos, sin)) if q_ok else None
+        k_in = k.to(_out_dtype(k, cos, sin)) if (k is not None and k_ok) else None
+        if q_in is not None and k_in is not None and q_in.dtype == k_in.dtype:
+            q_out, k_out = ops.rope(q_in, k_in, cos, sin, rotation="half", rotary_dim=rd)
+        else:
+            if q_in is not None:
+                q_out = ops.rope(q_in, None, cos, sin, rotation="half", rotary_dim=rd)[0]
+            if k_in is not None:
+                k_out = ops.rope(k_in, None, cos, sin, rotation="half", rotary_dim=rd)[0]
+    return q_out, (None if k is None else k_out)
+
+
+# ------------------------------------------------------------------------------------------------
+# The drop-ins.
+
+def apply_rotary_pos_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """transformers' ``apply_rotary_pos_emb`` (Llama, Mistral, Qwen2, ...) through RoME.
+
+    Args:
+        q: [B, H, S, D] (``unsqueeze_dim=1``) or [B, S, H, D] (``unsqueeze_dim=2``); strided
+            views (the transposed output of a projection) are read in place.
+        k: like q, may have fewer heads (GQA/MQA), or None (returned as None).
+        cos, sin: [B, S, D] (any float dtype; fp32 tables with bf16 q give an fp32 result, as in
+            transformers).
+        position_ids: unused, as in transformers (kept for the 4.x signature). An int here is
+            read as ``unsqueeze_dim`` (a 5.x caller passing ``unsqueeze_dim`` positionally).
+        unsqueeze_dim: the axis of q holding the heads.
+
+    Returns:
+        ``(q_embed, k_embed)`` = ``(q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) *
+        sin)``, new tensors in the promoted dtype of q (k) and the tables. Differentiable in q, k,
+        cos and sin.
+    """
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
+        unsqueeze_dim = position_ids
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    if cos.shape[-1] != q.shape[-1]:
+        # transformers' Llama formula does not broadcast a narrower table either.
+        raise ValueError(
+            f"rome.hf.apply_rotary_pos_emb: cos: expected last axis {q.shape[-1]} (q's head "
+            f"dim), got {cos.shape[-1]}")
+    return _rope_qk(q, k, cos, sin)
+
+
+def _apply_rotary_pos_emb_v5(q, k, cos, sin, unsqueeze_dim=1):
+    """RoME's replacement for transformers 5.x ``apply_rotary_pos_emb(q, k, cos, sin,
+    unsqueeze_dim=1)`` (see :func:`apply_rotary_pos_emb`)."""
+    return apply_rotary_pos_emb(q, k, cos, sin, None, unsqueeze_dim)
+
+
+def _apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    """RoME's replacement for the partial-rotary form (GPT-NeoX, Phi-3, ...): the first
+    ``cos.shape[-1]`` lanes rotate, the others pass through."""
+    return _rope_qk(q, k, cos.unsqueeze(unsqueeze_dim), sin.unsqueeze(unsqueeze_dim))
+
+
+def _apply_partial_rotary_pos_emb_v4(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):
+    """The partial-rotary form with transformers 4.x's (unused) ``position_ids`` argument."""
+    if isinstance(position_ids, int) and not isinstance(position_ids, bool):
+        unsqueeze_dim = position_ids
+    return _apply_partial_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim)
+
+
+def _mrope_column_axis(mrope_section: Sequence[int], width: int) -> List[int]:
+    sections = [int(s) for s in mrope_section] * 2
+    if sum(sections) != width:
+        raise ValueError(
+            f"rome.hf.apply_multimodal_rotary_pos_emb: mrope_section: expected sections summing "
+            f"to {width // 2} (half of cos' last axis {width}), got {list(mrope_section)}")
+    return [i % 3 for i, n in enumerate(sections) for _ in range(n)]
+
+
+def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim=1):
+    """Qwen2-VL's multimodal RoPE (transformers 4.x ``apply_multimodal_rotary_pos_emb``).
+
+    Args:
+        q, k: [B, H, S, D] (``unsqueeze_dim=1``) or [B, S, H, D] (``unsqueeze_dim=2``).
+        cos, sin: [3, B, S, D] — the tables of the temporal, height and width positions.
+        mrope_section: lanes per axis in one half, e.g. [16, 24, 24] (sum D/2). Column j of the
+            output's tables comes from axis ``i % 3`` of section i of ``mrope_section * 2``.
+        unsqueeze_dim: the axis of q holding the heads.
+
+    Returns:
+        ``(q_embed, k_embed)`` as transformers computes them, in the promoted dtype.
+
+    The section selection happens inside the kernel: cos/sin are read as one position cache of
+    3·B·S rows, and each table column gathers its row from its own axis (``column_axis``), with
+    no merged [B, S, D] table built in between.
+    """
+    width = cos.shape[-1]
+    column_axis = _mrope_column_axis(mrope_section, width)
+    head_axis = unsqueeze_dim + 4 if unsqueeze_dim < 0 else unsqueeze_dim
+    grads = torch.is_grad_enabled() and (cos.requires_grad or sin.requires_grad)
+    merged_needed = (
+        grads or cos.dim() != 4 or cos.shape != sin.shape or cos.shape[0] < 3
+        or head_axis not in (0, 1, 2) or q.dim() != 4 or (k is not None and k.dim() != 4)
+        or not _kernel_ok(q, cos[0].unsqueeze(head_axis), sin[0].unsqueeze(head_axis))
+        or (k is not None and not _kernel_ok(k, cos[0].unsqueeze(head_axis),
+                                             sin[0].unsqueeze(head_axis)))
+        or width != q.shape[-1]
+    )
+    if merged_needed:
+        # The selection as transformers writes it, then the 1D path (differentiable in cos/sin).
+        sections = [int(s) for s in mrope_section] * 2
+        cos = torch.cat([m[i % 3] for i, m in enumerate(cos.split(sections, dim=-1))], dim=-1)
+        sin = torch.cat([m[i % 3] for i, m in enumerate(sin.split(sections, dim=-1))], dim=-1)
+        return apply_rotary_pos_emb(q, k, cos, sin, None, unsqueeze_dim)
+
+    axes, b, s = cos.shape[0], cos.shape[1], cos.shape[2]
+    cache_cos = cos.reshape(axes * b * s, width)
+    cache_sin = sin.reshape(axes * b * s, width)
+    rows = torch.arange(b * s, dtype=torch.int64, device=cos.device).view(b, s)
+    positions = torch.stack([rows + a * b * s for a in range(3)], dim=-1)  # [B, S, 3]
+    positions = positions.unsqueeze(head_axis)  # [B, 1, S, 3] or [B, S, 1, 3]
+
+    def run(x, other=None):
+        dtype = _out_dtype(x, cos, sin)
+        x = x.to(dtype)
+        if other is not None:
+            other = other.to(dtype)
+        return ops.rope(x, other, cache_cos, cache_sin, positions=positions, rotation="half",
+                        column_axis=column_axis)
+
+    if k is None:
+        return run(q)[0], None
+    if _out_dtype(q, cos, sin) == _out_dtype(k, cos, sin):
+        return run(q, k)
+    return run(q)[0], run(k)[0]
+
+
+# ------------------------------------------------------------------------------------------------
+# Patching a loaded model.
+
+# The function bodies RoME replaces, as transformers writes them (compared as syntax trees, so
+# formatting, comments, docstrings and decorators do not matter).
+_ROTATE_HALF = """
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+"""
+
+_LLAMA_BODY = """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) + (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+"""
+
+# Partial rotary (rotary_dim = cos.shape[-1]): GPT-NeoX, Phi-3 and dots spell it three ways.
+_PARTIAL_BODIES = (
+    """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = q_rot * cos + rotate_half(q_rot) * sin
+    k_embed = k_rot * cos + rotate_half(k_rot) * sin
+    q_embed = torch.cat([q_embed, q_pass], dim=-1)
+    k_embed = torch.cat([k_embed, k_pass], dim=-1)
+    return q_embed, k_embed
+""",
+    """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rotary_dim = cos.shape[-1]
+    q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
+    k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
+    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    return q_embed, k_embed
+""",
+    """
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    rot_dim = cos.shape[-1]
+    q, q_pass = q[..., :rot_dim], q[..., rot_dim:]
+    k, k_pass = k[..., :rot_dim], k[..., rot_dim:]
+    q_embed = q * cos + rotate_half(q) * sin
+    k_embed = k * cos + rotate_half(k) * sin
+    return torch.cat((q_embed, q_pass), dim=-1), torch.cat((k_embed, k_pass), dim=-1)
+""",
+)
+
+_SIG_V5 = ["q", "k", "cos", "sin", "unsqueeze_dim"]
+_SIG_V4 = ["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"]
+
+
+def _function_def(source: str) -> Optional[ast.FunctionDef]:
+    try:
+        tree = ast.parse(textwrap.dedent(source))
+    except SyntaxError:
+        return None
+    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+    return fns[0] if len(fns) == 1 else None
+
+
+def _body_key(fn: ast.FunctionDef) -> str:
+    body = list(fn.body)
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
+            and isinstance(body[0].value.value, str):
+        body = body[1:]  # the docstring
+    return "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in body)
+
+
+def _signature(fn: ast.FunctionDef) -> Tuple[List[str], list]:
+    args = fn.args
+    if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs:
+        return [], []
+    defaults = [ast.literal_eval(d) if isinstance(d, ast.Constant) else object()
+                for d in args.defaults]
+    return [a.arg for a in args.args], defaults
+
+
+def _key_of(source: str) -> Optional[str]:
+    fn = _function_def(source)
+    return None if fn is None else _body_key(fn)
+
+
+_LLAMA_KEY = _key_of(_LLAMA_BODY)
+_PARTIAL_KEYS = {_key_of(src) for src in _PARTIAL_BODIES}
+_ROTATE_HALF_KEY = _key_of(_ROTATE_HALF)
+
+
+def _source_of(obj) -> Optional[str]:
+    try:
+        return inspect.getsource(inspect.unwrap(obj))
+    except (TypeError, OSError, ValueError):
+        return None
+
+
+def _contract(module: ModuleType):
+    """(replacement, None) when `module`'s apply_rotary_pos_emb is a contract RoME replaces, else
+    (None, reason)."""
+    original = module.__dict__.get("apply_rotary_pos_emb")
+    if original is None:
+        return None, "no apply_rotary_pos_emb"
+    if not callable(original):
+        return None, "apply_rotary_pos_emb is not callable"
+    fn = _function_def(_source_of(original) or "")
+    if fn is None:
+        return None, "source of apply_rotary_pos_emb unavailable"
+    rotate = module.__dict__.get("rotate_half")
+    if rotate is None or _key_of(_source_of(rotate) or "") != _ROTATE_HALF_KEY:
+        return None, "rotate_half is not transformers' NeoX rotate_half"
+    if module.__dict__.get("torch") is not torch:
+        return None, "'torch' in the module is not torch"
+    names, defaults = _signature(fn)
+    key = _body_key(fn)
+    if key == _LLAMA_KEY:
+        if names == _SIG_V5 and defaults == [1]:
+            return _apply_rotary_pos_emb_v5, None
+        if names == _SIG_V4 and defaults == [None, 1]:
+            return apply_rotary_pos_emb, None
+    elif key in _PARTIAL_KEYS:
+        if names == _SIG_V5 and defaults == [1]:
+            return _apply_partial_rotary_pos_emb, None
+        if names == _SIG_V4 and defaults == [None, 1]:
+            return _apply_partial_rotary_pos_emb_v4, None
+    return None, "apply_rotary_pos_emb differs from the Llama / partial-rotary contract"
+
+
+_REPLACEMENTS = (_apply_rotary_pos_emb_v5, apply_rotary_pos_emb, _apply_partial_rotary_pos_emb,
+                 _apply_partial_rotary_pos_emb_v4)
+_LOCK = threading.Lock()
+_ACTIVE: Dict[str, list] = {}  # module name -> [original, replacement, reference count]
+
+
+class HFPatch:
+    """What :func:`patch_model` / :func:`patch_module` changed; undo with :meth:`undo` (or use as
+    a context manager). Undoing twice is harmless.
+
+    Attributes:
+        patched: names of the modeling modules whose ``apply_rotary_pos_emb`` now runs RoME.
+        skipped: {module name: reason} for modules of the model left alone.
+    """
+
+    def __init__(self, patched: List[str], skipped: Dict[str, str]):
+        self.patched = list(patched)
+        self.skipped = dict(skipped)
+        self._undone = False
+
+    @property
+    def active(self) -> bool:
+        return not self._undone and bool(self.patched)
+
+    def undo(self) -> None:
+        """Restores the original functions (once every patch of a module is undone)."""
+        with _LOCK:
+            if self._undone:
+                return
+            self._undone = True
+            for name in self.patched:
+                entry = _ACTIVE.get(name)
+                if entry is None:
+                    continue
+                entry[2] -= 1
+                if entry[2] == 0:
+                    module = sys.modules.get(name)
+                    current = None if module is None else module.__dict__.get("apply_rotary_pos_emb")
+                    if current is entry[1]:
+                        module.apply_rotary_pos_emb = entry[0]
+                    del _ACTIVE[name]
+
+    remove = undo
+
+    def __enter__(self) -> "HFPatch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.undo()
+
+    def __repr__(self) -> str:
+        state = "undone" if self._undone else "active"
+        return f"HFPatch({state}, patched={self.patched}, skipped={len(self.skipped)} modules)"
+
+
+def _patch_modules(modules: Sequence[ModuleType]) -> HFPatch:
+    patched, skipped = [], {}
+    with _LOCK:
+        for module in modules:
+            name = module.__name__
+            entry = _ACTIVE.get(name)
+            if entry is not None and module.__dict__.get("apply_rotary_pos_emb") is entry[1]:
+                entry[2] += 1
+                patched.append(name)
+                continue
+            if module.__dict__.get("apply_rotary_pos_emb") in _REPLACEMENTS:
+                skipped[name] = "already RoME's function (set outside patch_model)"
+                continue
+            replacement, reason = _contract(module)
+            if replacement is None:
+                skipped[name] = reason
+                continue
+            _ACTIVE[name] = [module.apply_rotary_pos_emb, replacement, 1]
+            module.apply_rotary_pos_emb = replacement
+            patched.append(name)
+    return HFPatch(patched, skipped)
+
+
+def patch_module(module: ModuleType) -> HFPatch:
+    """Replaces ``module.apply_rotary_pos_emb`` (a transformers modeling module, e.g.
+    ``transformers.models.llama.modeling_llama``) by RoME's, when it has the Llama contract (or
+    its partial-rotary form); the attention layers look the name up at call time. Returns an
+    :class:`HFPatch` (``patched`` is empty, with the reason in ``skipped``, when the module's
+    function is another variant)."""
+    return _patch_modules([module])
+
+
+def patch_model(model: torch.nn.Module, warn: bool = True) -> HFPatch:
+    """Makes a loaded transformers model compute RoPE with RoME.
+
+    transformers' attention layers (Llama, Mistral, Qwen2, Qwen2-VL's text model, Gemma, Phi-3,
+    GPT-NeoX, and every model whose modeling file carries the Llama function) call the module-level
+    ``apply_rotary_pos_emb`` of their modeling module, looked up at call time. This replaces that
+    name in each modeling module the model's layers (and their base classes) come from, when the
+    function there is transformers' Llama one or its partial-rotary form, with the module's own
+    ``rotate_half`` the NeoX one; variants with other math (interleaved rotate_half as in Cohere,
+    fp32 up-casts as in ModernBERT, ...) are left alone and listed in ``skipped``.
+
+    The patch is per modeling module, so it affects every model of that architecture in the
+    process until undone. Patches nest (a module is restored when its last patch is undone).
+
+    Returns:
+        :class:`HFPatch`: ``handle.undo()`` restores the originals; ``with patch_model(m): ...``
+        undoes on exit. Warns when nothing could be patched (unless ``warn=False``).
+    """
+    names = []
+    for sub in model.modules():
+        for cls in type(sub).__mro__:
+            name = getattr(cls, "__module__", None)
+            if not name or name.startswith("torch.") or name == "builtins" or name in names:
+                continue
+            names.append(name)
+    modules = [sys.modules[n] for n in names
+               if n in sys.modules and "apply_rotary_pos_emb" in sys.modules[n].__dict__]
+    handle = _patch_modules(modules)
+    if warn and not handle.patched:
+        reasons = "; ".join(f"{k}: {v}" for k, v in handle.skipped.items()) or \
+            "no modeling module of the model defines apply_rotary_pos_emb"
+        warnings.warn(f"rome.hf.patch_model: nothing patched ({reasons})", stacklevel=2)
+    return handle

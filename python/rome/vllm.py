@@ -1,0 +1,140 @@
+"""Drop-in for vLLM's rotary embedding, built on ``torch.ops.rome.rotary_embedding``.
+
+- :func:`rotary_embedding` — ``vllm._custom_ops.rotary_embedding(positions, query, key,
+  head_size, cos_sin_cache, is_neox)``: in place on query/key [T, H·D], [T, H, D] or
+  [B, S, H·D]; ``cos_sin_cache`` [max_position, rotary_dim] = cat(cos, sin) of rotary_dim/2
+  columns each; rotary_dim < head_size is partial rotary (the other lanes are not touched).
+- :class:`RotaryEmbedding` — vLLM's ``RotaryEmbedding(head_size, rotary_dim,
+  max_position_embeddings, base, is_neox_style, dtype)`` layer (vllm/model_executor/layers/
+  rotary_embedding/base.py): the same cache, ``forward_native(positions, query, key=None)`` with
+  the same results (out of place), and ``forward`` working in place like vLLM's fused kernels.
+
+vLLM's native path rounds the cache to the query's dtype and computes in it
+(``x1 * cos - x2 * sin``, three roundings in bf16); RoME reads the cache in its own dtype and
+computes in fp32 with one rounding. With vLLM's usual setup (cache dtype = model dtype) the two
+agree to one ulp of the result plus half an ulp of each product in bf16/fp16, and to a few fp32
+ulps in fp32. A position outside the cache raises ``IndexError``.
+"""
+
+from typing import Optional, Tuple
+
+import torch
+
+from . import ops
+
+__all__ = ["RotaryEmbedding", "rotary_embedding"]
+
+
+def rotary_embedding(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: Optional[torch.Tensor],
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+) -> None:
+    """``vllm._custom_ops.rotary_embedding``: rotates query (and key) in place; returns None."""
+    ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """vLLM's ``RotaryEmbedding`` layer on RoME.
+
+    Args:
+        head_size: D.
+        rotary_dim: lanes rotated (<= head_size; smaller is partial rotary).
+        max_position_embeddings: rows of the cache.
+        base: theta.
+        is_neox_style: NeoX rotate_half (True) or GPT-J pairs (False).
+        dtype: dtype of the cache (vLLM: the model's dtype).
+
+    The buffer ``cos_sin_cache`` [max_position_embeddings, rotary_dim] is computed exactly as
+    vLLM computes it (fp32 ``einsum`` of positions and inverse frequencies, then ``cat(cos,
+    sin)``, cast to ``dtype``).
+    """
+
+    def __init__(
+        self,
+        head_size: int,
+        rotary_dim: int,
+        max_position_embeddings: int,
+        base: float,
+        is_neox_style: bool,
+        dtype: torch.dtype,
+    ) -> None:
+        super().__init__()
+        self.head_size = int(head_size)
+        self.rotary_dim = int(rotary_dim)
+        self.max_position_embeddings = int(max_position_embeddings)
+        self.base = base
+        self.is_neox_style = bool(is_neox_style)
+        self.dtype = dtype
+        cache = self._compute_cos_sin_cache().to(dtype)
+        self.cos_sin_cache: torch.Tensor
+        self.register_buffer("cos_sin_cache", cache, persistent=False)
+
+    @classmethod
+    def from_module(cls, module) -> "RotaryEmbedding":
+        """Wraps an existing vLLM ``RotaryEmbedding`` (any object with ``head_size``,
+        ``rotary_dim``, ``max_position_embeddings``, ``base``, ``is_neox_style`` and
+        ``cos_sin_cache``): shares its cache, so scaled variants (YaRN, Llama-3.1, ...) whose
+        cache vLLM built keep working."""
+        self = cls.__new__(cls)
+        torch.nn.Module.__init__(self)
+        self.head_size = int(module.head_size)
+        self.rotary_dim = int(module.rotary_dim)
+        self.max_position_embeddings = int(module.cos_sin_cache.shape[0])
+        self.base = getattr(module, "base", None)
+        self.is_neox_style = bool(module.is_neox_style)
+        self.dtype = module.cos_sin_cache.dtype
+        self.register_buffer("cos_sin_cache", module.cos_sin_cache, persistent=False)
+        return self
+
+    def _compute_inv_freq(self, base: float) -> torch.Tensor:
+        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float)
+                               / self.rotary_dim))
+
+    def _compute_cos_sin_cache(self) -> torch.Tensor:
+        inv_freq = self._compute_inv_freq(self.base)
+        t = torch.arange(self.max_position_embeddings, dtype=torch.float)
+        freqs = torch.einsum("i,j -> ij", t, inv_freq)
+        return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
+
+    def get_cos_sin(self, seqlen: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.cos_sin_cache[:seqlen].chunk(2, dim=-1)
+        return cos, sin
+
+    def _rotate(self, positions, query, key, offsets):
+        if offsets is not None:  # older vLLM versions: positions + offsets
+            positions = positions + offsets
+        ops.rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache,
+                             self.is_neox_style)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """In place, like vLLM's CUDA/CPU kernels: rotates query (and key) and returns them."""
+        self._rotate(positions, query, key, offsets)
+        return query, key
+
+    def forward_native(
+        self,
+        positions: torch.Tensor,
+        query: torch.Tensor,
+        key: Optional[torch.Tensor] = None,
+        offsets: Optional[torch.Tensor] = None,
+    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """vLLM's ``forward_native``: new tensors of query's (key's) shape; inputs untouched."""
+        query = query.clone()
+        key = None if key is None else key.clone()
+        self._rotate(positions, query, key, offsets)
+        return query, key
+
+    def extra_repr(self) -> str:
+        return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
+                f"max_position_embeddings={self.max_position_embeddings}, base={self.base}, "
+                f"is_neox_style={self.is_neox_style}")
