@@ -85,7 +85,9 @@ inline double column_dot(const std::vector<std::pair<std::int64_t, double>>& col
   return s;
 }
 
-inline Reference reference(const Rotation& rotation, const TestTables& tables, const TestTensor& x) {
+// matrix_unit: the AMX kernel's bound (bf16 hi/lo split products, see src/kernels/amx).
+inline Reference reference(const Rotation& rotation, const TestTables& tables, const TestTensor& x,
+                           bool matrix_unit = false) {
   const DenseRotation m(rotation);
   const bool dense = rotation.kind() == Rotation::Kind::dense;
   const std::int64_t d = m.head_dim, rd = m.rotary_dim, rows = d ? x.numel() / d : 0;
@@ -120,9 +122,11 @@ inline Reference reference(const Rotation& rotation, const TestTables& tables, c
       const double xa = column_dot(m.a_cols[j], v.data(), &ma);
       const double xb = column_dot(m.b_cols[j], v.data(), &mb);
       ref.y[r * d + j] = xa * c[j] + xb * s[j];
-      // fp32 dot products of rd terms: |error| <= (rd + 3)·2^-24·Σ|terms|, plus output rounding.
+      // fp32 dot products of rd terms: |error| <= (rd + 3)·2^-24·Σ|terms| (+ 3·2^-16·Σ|terms|
+      // for split bf16 tile products), plus the output rounding.
+      const double unit = double(rd + 3) * 0x1p-24 + (matrix_unit ? 3 * 0x1p-16 : 0.0);
       if (dense)
-        ref.bound[r * d + j] = double(rd + 3) * 0x1p-24 * (ma * std::abs(c[j]) + mb * std::abs(s[j])) +
+        ref.bound[r * d + j] = unit * (ma * std::abs(c[j]) + mb * std::abs(s[j])) +
                                out_ulp * std::abs(ref.y[r * d + j]);
     }
   }

@@ -12,6 +12,16 @@ namespace {
 
 using detail::RotationData;
 
+// xa·c + xb·s with the rounding error of xa·c added back (an error-free product), so the
+// result stays within about one fp32 ulp even when the two terms cancel. A product that is not
+// finite has no error term (inf - inf would turn an infinite result into NaN).
+// The SIMD kernels compute exactly this, operation for operation.
+inline float combine(float xa, float c, float xb, float s) {
+  const float p = xa * c;
+  const float e = std::fabs(p) <= 3.40282347e+38f ? std::fma(xa, c, -p) : 0.0f;
+  return std::fma(xb, s, p) + e;
+}
+
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardBatch& batch) {
   using T = typename detail::Storage<D>::type;
@@ -26,7 +36,7 @@ void forward_permute(const RotationData& r, const ForwardBatch& batch) {
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? xf[j] : float(r.a.sign[j]) * xf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : float(r.b.sign[j]) * xf[r.b.src[j]];
-      detail::store_float<D>(y + j, std::fma(xb, batch.sin[j], xa * batch.cos[j]));
+      detail::store_float<D>(y + j, combine(xa, batch.cos[j], xb, batch.sin[j]));
     }
     if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
@@ -55,7 +65,7 @@ void forward_dense(const RotationData& r, const ForwardBatch& batch) {
           xb = std::fma(xf[i], b[i * rd + j], xb);
         }
         if (r.a_identity) xa = xf[j];
-        detail::store_float<D>(y + j, std::fma(xb, batch.sin[j], xa * batch.cos[j]));
+        detail::store_float<D>(y + j, combine(xa, batch.cos[j], xb, batch.sin[j]));
       }
     }
     if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
