@@ -1,0 +1,132 @@
+// AVX2 building blocks shared by this ISA's kernels: fp32 vectors of 8 lanes from and to each
+// storage type (bit exact with src/core/convert.hpp), the compensated epilogue, byte copies.
+// Included only by translation units compiled with the AVX2 flags.
+#pragma once
+
+#include <immintrin.h>
+
+#include <cstdint>
+#include <cstring>
+
+#include "../kernel_support.hpp"
+#include "rome/tensor.hpp"
+
+namespace rome::kernels::avx2 {
+
+constexpr int kW = 8;  // fp32 lanes per vector
+
+// Storage types <-> fp32 vectors of 8 lanes. The `n`-lane forms (0 < n <= 8) touch only the
+// first n elements.
+
+ROME_INLINE __m256i lane_mask(int n) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32(n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+template <DType D>
+struct Lanes;
+
+template <>
+struct Lanes<DType::f32> {
+  using T = float;
+  static ROME_INLINE __m256 load(const T* p) { return _mm256_loadu_ps(p); }
+  static ROME_INLINE __m256 load(const T* p, int n) {
+    return n == kW ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask(n));
+  }
+  static ROME_INLINE void store(T* p, __m256 v) { _mm256_storeu_ps(p, v); }
+  static ROME_INLINE void store(T* p, __m256 v, int n) {
+    if (n == kW)
+      _mm256_storeu_ps(p, v);
+    else
+      _mm256_maskstore_ps(p, lane_mask(n), v);
+  }
+  static ROME_INLINE void stream(T* p, __m256 v) { _mm256_stream_ps(p, v); }  // 32-byte aligned
+};
+
+// 16-bit storage: 8 elements in an __m128i; partial vectors are staged through a buffer.
+template <typename Convert>
+struct Lanes16 {
+  using T = std::uint16_t;
+  static ROME_INLINE __m256 load(const T* p) {
+    return Convert::widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  }
+  static ROME_INLINE __m256 load(const T* p, int n) {
+    if (n == kW) return load(p);
+    alignas(16) T buf[kW] = {};
+    std::memcpy(buf, p, std::size_t(n) * sizeof(T));
+    return Convert::widen(_mm_load_si128(reinterpret_cast<const __m128i*>(buf)));
+  }
+  static ROME_INLINE void store(T* p, __m256 v) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), Convert::narrow(v));
+  }
+  static ROME_INLINE void store(T* p, __m256 v, int n) {
+    if (n == kW) return store(p, v);
+    alignas(16) T buf[kW];
+    _mm_store_si128(reinterpret_cast<__m128i*>(buf), Convert::narrow(v));
+    std::memcpy(p, buf, std::size_t(n) * sizeof(T));
+  }
+  static ROME_INLINE void stream(T* p, __m256 v) {  // 16-byte aligned
+    _mm_stream_si128(reinterpret_cast<__m128i*>(p), Convert::narrow(v));
+  }
+};
+
+// bf16: widening is a shift; narrowing is round to nearest even in integer arithmetic, NaN
+// quietened as (u >> 16) | 0x40, subnormals kept.
+struct Bf16 {
+  static ROME_INLINE __m256 widen(__m128i h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+  }
+  static ROME_INLINE __m128i narrow(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+    const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
+    const __m256i h = _mm256_srli_epi32(
+        _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan)),
+        16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  }
+};
+
+// fp16: F16C conversions are exact both ways (round to nearest even, subnormals, overflow to
+// inf, NaN payloads as the scalar conversion).
+struct Fp16 {
+  static ROME_INLINE __m256 widen(__m128i h) { return _mm256_cvtph_ps(h); }
+  static ROME_INLINE __m128i narrow(__m256 v) {
+    return _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  }
+};
+
+template <>
+struct Lanes<DType::bf16> : Lanes16<Bf16> {};
+template <>
+struct Lanes<DType::f16> : Lanes16<Fp16> {};
+
+// Copies `bytes` bytes (the pass-through lanes of a partial rotation); non-temporal when asked
+// and the destination is 32-byte aligned.
+ROME_INLINE void copy_bytes(void* dst, const void* src, std::int64_t bytes, bool stream) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  if (stream && (reinterpret_cast<std::uintptr_t>(d) & 31) == 0) {
+    for (; bytes >= 32; bytes -= 32, d += 32, s += 32)
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(d),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  } else {
+    for (; bytes >= 32; bytes -= 32, d += 32, s += 32)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(d),
+                          _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+  }
+  if (bytes > 0) std::memcpy(d, s, std::size_t(bytes));
+}
+
+// xa·c + xb·s, operation for operation as the scalar kernel's combine: p = xa·c,
+// e = fma(xa, c, -p) where p is finite (else 0), y = fma(xb, s, p) + e.
+ROME_INLINE __m256 combine(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+  const __m256 p = _mm256_mul_ps(xa, c);
+  const __m256 abs_p = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), p);
+  const __m256 finite = _mm256_cmp_ps(abs_p, _mm256_set1_ps(3.40282347e+38f), _CMP_LE_OQ);
+  const __m256 e = _mm256_and_ps(finite, _mm256_fmsub_ps(xa, c, p));
+  return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), e);
+}
+
+}  // namespace rome::kernels::avx2

@@ -1,0 +1,621 @@
+// AVX-512 kernels (F, BW, VL, DQ; BF16 when the CPU has it): signed-permutation rotations as
+// in-register permutes.
+//
+// Per batch (rows sharing one table row) the cos/sin row is loaded once with the signs of A and B
+// folded in: (±x)·c == x·(±c) and fma(±x, s, t) == fma(x, ±s, t) bit for bit (the product is
+// exact before the one rounding, and rounding is symmetric; only a NaN in the tables would come
+// out with the other sign). Plan B is classified once per rotation (cached per thread):
+//  - pairs:   interleave: every vector swaps its lane pairs (vpermilps);
+//  - local:   every output vector permutes its own input vector (vpermps);
+//  - half / quarter move: output vector v is input vector v ^ V/2 (half) or v ^ V/4 (quarter,
+//             2D half ⊕ half), no permute at all;
+//  - single / move: every output vector permutes (or is) one input vector;
+//  - general: anything else (3D 44+44+40, interleave_half, dense signed permutations): vpermt2ps
+//             (_mm512_permutex2var_ps) over pairs of input vectors, blended under lane masks.
+// Lanes without a source are zeroed by the permute masks. The math is t = xa · cos (rounded),
+// y = fma(xb, sin, t), one rounding to the storage type at the end: the scalar kernel's operation
+// order, so every bit matches it. Rotary dims 64, 128 and 256 keep the whole row in registers;
+// other sizes end with a masked vector, and in place the general paths widen the row into an
+// fp32 buffer first. Either way every source of a row is read before the row is written.
+//
+// bf16 is narrowed with vcvtne2ps2bf16 / vcvtneps2bf16 when the CPU has AVX512-BF16 (they flush
+// subnormals, so a row holding one takes the integer round-to-nearest-even path), else with
+// integer arithmetic; fp16 uses vcvtps2ph / vcvtph2ps, exact both ways.
+//
+// Memory: a batch that belongs to a large tensor (rows of one batch spread over >= 1 MiB, or a
+// run of contiguous batches that long) prefetches rows ahead and the next table rows (one stream
+// per head in [.., S, D] layouts defeats the hardware prefetchers); past 4 MiB, 64-byte aligned
+// rows are written with non-temporal stores, fenced at the end of the batch.
+//
+// A non-identity A with a lane that has no source (the scalar kernel computes 0 · x there, whose
+// sign the folding cannot reproduce) is handed to the scalar kernel.
+//
+// GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <new>
+#include <vector>
+
+#include "../../core/convert.hpp"
+#include "../../core/dispatch.hpp"
+#include "../dense_kernels.hpp"
+#include "../kernel_api.hpp"
+#include "../kernel_support.hpp"
+#include "avx512_lanes.hpp"
+
+namespace rome::kernels {
+namespace {
+
+using detail::PermuteStep;
+using detail::RotationData;
+using detail::SignedPermutation;
+using detail::VectorPermutePlan;
+using namespace avx512;
+
+// ---------------------------------------------------------------------------------------------
+// Per-batch state
+
+enum class Kind {
+  pairs,         // interleave: every vector swaps its lane pairs
+  local,         // every output vector permutes its own input vector
+  half_move,     // output vector v is input vector v ^ (V/2), no permute
+  quarter_move,  // output vector v is input vector v ^ (V/4), no permute
+  single,        // every output vector permutes one input vector
+  move,          // every output vector is one input vector, no permute
+  general,
+};
+
+struct Work {
+  const RotationData* r = nullptr;
+  std::int64_t rd = 0, hd = 0, V = 0;
+  __mmask16 tail = 0xffff;                   // lanes of the last vector
+  bool pass = false;                         // copy lanes [rd, hd)
+  bool stream = false;                       // non-temporal stores for 64-byte aligned rows
+  std::int64_t pf_bytes = 0, pf_offset = 0;  // prefetch pf_bytes at pf_offset past each row
+  const float* C = nullptr;                  // cos, sin with the signs of A, B folded in
+  const float* S = nullptr;
+  float* X = nullptr;                   // the row in fp32 (general rows of other sizes)
+  const __m512i* idx = nullptr;         // local / single: per output vector
+  const std::int32_t* src = nullptr;    // single / move: first element of the source vector
+  const __mmask16* mask = nullptr;      // lanes with a source
+  const __mmask16* src_mask = nullptr;  // lanes of the source vector that exist
+  // general with 4, 8 or 16 vectors: for output vector v and source pair p (input vectors 2p and
+  // 2p+1) the vpermt2ps index and lane mask, of B and of A.
+  const __m512i* pair_idx_b = nullptr;
+  const __m512i* pair_idx_a = nullptr;
+  const __mmask16* pair_mask_b = nullptr;
+  const __mmask16* pair_mask_a = nullptr;
+};
+
+ROME_INLINE __mmask16 lanes_of(const Work& w, std::int64_t v) {
+  return v == w.V - 1 ? w.tail : __mmask16(0xffff);
+}
+
+// The same head a few tokens later in a [.., S, D] layout; rows a little further on otherwise.
+ROME_INLINE void prefetch_ahead(const Work& w, const void* x, void* y) {
+  const char* px = static_cast<const char*>(x) + w.pf_offset;
+  const char* py = static_cast<const char*>(y) + w.pf_offset;
+  for (std::int64_t b = 0; b < w.pf_bytes; b += 64) {
+    _mm_prefetch(px + b, _MM_HINT_T0);
+    if (!w.stream) __asm__ volatile("prefetchw %0" ::"m"(*(py + b)));
+  }
+}
+
+template <typename L>
+ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L::T* y) {
+  if (w.pass)
+    copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
+}
+
+ROME_INLINE __m512 combine(__m512 xa, __m512 xb, const Work& w, std::int64_t v) {
+  return avx512::combine(xa, _mm512_load_ps(w.C + kW * v), xb, _mm512_load_ps(w.S + kW * v));
+}
+
+// Stores a full row of VC vectors, non-temporally when streaming and aligned.
+template <typename L, int VC>
+ROME_INLINE void store_row(const Work& w, typename L::T* y, const __m512* out) {
+  if constexpr (L::kPairs) {
+    // vcvtne2ps2bf16 on pairs of vectors, one subnormal check for the row.
+    __mmask16 subnormal = _mm512_fpclass_ps_mask(out[0], 0x20);
+#pragma GCC unroll 16
+    for (int v = 1; v < VC; ++v)
+      subnormal = _kor_mask16(subnormal, _mm512_fpclass_ps_mask(out[v], 0x20));
+    if (__builtin_expect(_kortestz_mask16_u8(subnormal, subnormal), 1)) {
+      if (w.stream && (reinterpret_cast<std::uintptr_t>(y) & 63) == 0) {
+#pragma GCC unroll 8
+        for (int v = 0; v < VC; v += 2)
+          _mm512_stream_si512(reinterpret_cast<__m512i*>(y + kW * v),
+                              L::narrow_pair(out[v], out[v + 1]));
+      } else {
+#pragma GCC unroll 8
+        for (int v = 0; v < VC; v += 2)
+          _mm512_storeu_si512(y + kW * v, L::narrow_pair(out[v], out[v + 1]));
+      }
+      return;
+    }
+  }
+  if (w.stream && (reinterpret_cast<std::uintptr_t>(y) & 63) == 0) {
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) L::stream(y + kW * v, out[v]);
+  } else {
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) L::store(y + kW * v, out[v]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Row loops
+
+// pairs / local: each output vector from its own input vector.
+template <typename L, int VC, bool kPairs>
+ROME_INLINE void rows_local(const Work& w, const ForwardBatch& batch) {
+  using T = typename L::T;
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    prefetch_ahead(w, x, y);
+    auto permute = [&](__m512 xv, std::int64_t v) {
+      return kPairs ? _mm512_permute_ps(xv, 0xb1)
+                    : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xv);
+    };
+    if constexpr (VC != 0) {
+      __m512 out[VC];
+#pragma GCC unroll 16
+      for (int v = 0; v < VC; ++v) {
+        const __m512 xv = L::load(x + kW * v);
+        out[v] = combine(xv, permute(xv, v), w, v);
+      }
+      store_row<L, VC>(w, y, out);
+    } else {
+      for (std::int64_t v = 0; v < w.V; ++v) {
+        const __mmask16 m = lanes_of(w, v);
+        const __m512 xv = L::load(x + kW * v, m);
+        L::store(y + kW * v, combine(xv, permute(xv, v), w, v), m);
+      }
+    }
+    pass_through<L>(w, x, y);
+  }
+}
+
+// half / quarter move with the rotary dim known: output vector v is input vector v ^ K.
+template <typename L, int VC, int K>
+ROME_INLINE void rows_xor_move(const Work& w, const ForwardBatch& batch) {
+  using T = typename L::T;
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    prefetch_ahead(w, x, y);
+    __m512 in[VC], out[VC];
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) out[v] = combine(in[v], in[v ^ K], w, v);
+    store_row<L, VC>(w, y, out);
+    pass_through<L>(w, x, y);
+  }
+}
+
+// single / move with the rotary dim known: sources re-read from x; the row is stored after all
+// of it is computed, so in place is safe.
+template <typename L, int VC, bool kMove>
+ROME_INLINE void rows_single_fixed(const Work& w, const ForwardBatch& batch) {
+  using T = typename L::T;
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    prefetch_ahead(w, x, y);
+    __m512 out[VC];
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) {
+      const __m512 xs = L::load(x + w.src[v]);
+      const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
+      out[v] = combine(L::load(x + kW * v), xb, w, v);
+    }
+    store_row<L, VC>(w, y, out);
+    pass_through<L>(w, x, y);
+  }
+}
+
+// One output vector of x·P from the row in registers, P given per source pair.
+template <int VC>
+ROME_INLINE __m512 permute_pairs(const __m512* in, const __m512i* idx, const __mmask16* mask) {
+  __m512 acc = _mm512_setzero_ps();
+#pragma GCC unroll 8
+  for (int p = 0; p < VC / 2; ++p)
+    if (mask[p])
+      acc = _mm512_mask_mov_ps(acc, mask[p],
+                               _mm512_permutex2var_ps(in[2 * p], idx[p], in[2 * p + 1]));
+  return acc;
+}
+
+// general with the rotary dim known: the row stays in registers.
+template <typename L, int VC>
+ROME_INLINE void rows_general_fixed(const Work& w, const ForwardBatch& batch) {
+  using T = typename L::T;
+  const bool a_identity = w.r->a_identity;
+  constexpr int P = VC / 2;
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    prefetch_ahead(w, x, y);
+    __m512 in[VC], out[VC];
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) {
+      const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
+      const __m512 xa =
+          a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P);
+      out[v] = combine(xa, xb, w, v);
+    }
+    store_row<L, VC>(w, y, out);
+    pass_through<L>(w, x, y);
+  }
+}
+
+// One output vector of x·P for a plan P, from the fp32 row X.
+ROME_INLINE __m512 permute_vector(const PermuteStep* s, const PermuteStep* end, const float* X) {
+  if (s == end) return _mm512_setzero_ps();
+  __m512 acc = _mm512_maskz_permutex2var_ps(
+      __mmask16(s->lanes), _mm512_load_ps(X + kW * s->src0),
+      _mm512_loadu_si512(reinterpret_cast<const void*>(s->idx)), _mm512_load_ps(X + kW * s->src1));
+  for (++s; s != end; ++s)
+    acc = _mm512_mask_mov_ps(
+        acc, __mmask16(s->lanes),
+        _mm512_permutex2var_ps(_mm512_load_ps(X + kW * s->src0),
+                               _mm512_loadu_si512(reinterpret_cast<const void*>(s->idx)),
+                               _mm512_load_ps(X + kW * s->src1)));
+  return acc;
+}
+
+// general, any size (and single / move rows in place): the row is widened into X first.
+template <typename L>
+ROME_INLINE void row_general(const Work& w, const typename L::T* x, typename L::T* y) {
+  const RotationData& r = *w.r;
+  const VectorPermutePlan& pa = r.avx512.a;
+  const VectorPermutePlan& pb = r.avx512.b;
+  const std::int64_t V = w.V;
+  float* X = w.X;
+  for (std::int64_t v = 0; v < V; ++v)
+    _mm512_store_ps(X + kW * v, L::load(x + kW * v, lanes_of(w, v)));
+  const PermuteStep* a_steps = pa.steps.data();
+  const PermuteStep* b_steps = pb.steps.data();
+  const std::int32_t* a_begin = pa.step_begin.data();
+  const std::int32_t* b_begin = pb.step_begin.data();
+  for (std::int64_t v = 0; v < V; ++v) {
+    const __m512 xb = permute_vector(b_steps + b_begin[v], b_steps + b_begin[v + 1], X);
+    const __m512 xa = r.a_identity
+                          ? _mm512_load_ps(X + kW * v)
+                          : permute_vector(a_steps + a_begin[v], a_steps + a_begin[v + 1], X);
+    L::store(y + kW * v, combine(xa, xb, w, v), lanes_of(w, v));
+  }
+}
+
+// single / move, any size, out of place: sources read straight from x.
+template <typename L, bool kMove>
+ROME_INLINE void row_single(const Work& w, const typename L::T* x, typename L::T* y) {
+  for (std::int64_t v = 0; v < w.V; ++v) {
+    const __m512 xs = L::load(x + w.src[v], w.src_mask[v]);
+    const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
+    const __mmask16 m = lanes_of(w, v);
+    L::store(y + kW * v, combine(L::load(x + kW * v, m), xb, w, v), m);
+  }
+}
+
+template <typename L>
+ROME_INLINE void rows_general(const Work& w, const ForwardBatch& batch) {
+  using T = typename L::T;
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    prefetch_ahead(w, x, y);
+    row_general<L>(w, x, y);
+    pass_through<L>(w, x, y);
+  }
+}
+
+template <typename L, bool kMove>
+ROME_INLINE void rows_single_any(const Work& w, const ForwardBatch& batch) {
+  using T = typename L::T;
+  for (std::int64_t n = 0; n < batch.count; ++n) {
+    const T* x = static_cast<const T*>(batch.rows[n].x);
+    T* y = static_cast<T*>(batch.rows[n].y);
+    prefetch_ahead(w, x, y);
+    if (static_cast<const void*>(x) == static_cast<const void*>(y))
+      row_general<L>(w, x, y);
+    else
+      row_single<L, kMove>(w, x, y);
+    pass_through<L>(w, x, y);
+  }
+}
+
+template <typename L, int VC>
+ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardBatch& batch) {
+  if constexpr (VC != 0) {
+    switch (kind) {
+      case Kind::pairs: return rows_local<L, VC, true>(w, batch);
+      case Kind::local: return rows_local<L, VC, false>(w, batch);
+      case Kind::half_move: return rows_xor_move<L, VC, VC / 2>(w, batch);
+      case Kind::quarter_move: return rows_xor_move<L, VC, VC / 4>(w, batch);
+      case Kind::single: return rows_single_fixed<L, VC, false>(w, batch);
+      case Kind::move: return rows_single_fixed<L, VC, true>(w, batch);
+      case Kind::general: return rows_general_fixed<L, VC>(w, batch);
+    }
+  } else {
+    switch (kind) {
+      case Kind::pairs: return rows_local<L, 0, true>(w, batch);
+      case Kind::local: return rows_local<L, 0, false>(w, batch);
+      case Kind::single: return rows_single_any<L, false>(w, batch);
+      case Kind::half_move:
+      case Kind::quarter_move:
+      case Kind::move: return rows_single_any<L, true>(w, batch);
+      case Kind::general: return rows_general<L>(w, batch);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Per-batch preparation
+
+// Classifies plan B (A must be the identity for anything but general) and fills the per-vector
+// permute data.
+Kind classify(const RotationData& r, const Work& w, __m512i* idx, std::int32_t* src,
+              __mmask16* mask, __mmask16* src_mask) {
+  if (!r.a_identity) return Kind::general;
+  const VectorPermutePlan& pb = r.avx512.b;
+  const __m512i iota = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const __m512i swap = _mm512_setr_epi32(1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  bool local = true, move = true, pairs = true, half = true, quarter = true;
+  for (std::int64_t v = 0; v < w.V; ++v) {
+    if (pb.step_begin[v + 1] - pb.step_begin[v] != 1) return Kind::general;
+    const PermuteStep& s = pb.steps[pb.step_begin[v]];
+    const __m512i i = _mm512_loadu_si512(reinterpret_cast<const void*>(s.idx));
+    // One source vector: src1 unused (or equal to src0).
+    if (s.src1 != s.src0 && _mm512_cmpge_epi32_mask(i, _mm512_set1_epi32(kW)) != 0)
+      return Kind::general;
+    idx[v] = _mm512_and_si512(i, _mm512_set1_epi32(kW - 1));
+    src[v] = kW * s.src0;
+    mask[v] = __mmask16(s.lanes);
+    src_mask[v] = lanes_of(w, s.src0);
+    const bool full = mask[v] == lanes_of(w, v);
+    local &= s.src0 == v;
+    pairs &= s.src0 == v && full && _mm512_mask_cmpneq_epi32_mask(mask[v], idx[v], swap) == 0;
+    move &= full && lanes_of(w, v) == 0xffff && src_mask[v] == 0xffff &&
+            _mm512_cmpneq_epi32_mask(idx[v], iota) == 0;
+    half &= s.src0 == (v ^ (w.V / 2));
+    quarter &= s.src0 == (v ^ (w.V / 4));
+  }
+  if (local) return pairs ? Kind::pairs : Kind::local;
+  if (move && w.V % 4 == 0)
+    return half ? Kind::half_move : quarter ? Kind::quarter_move : Kind::move;
+  return move ? Kind::move : Kind::single;
+}
+
+// Pair tables of the fixed-size general path: V·V/2 entries.
+void build_pairs(const SignedPermutation& p, const Work& w, __m512i* out_idx, __mmask16* out_mask) {
+  const std::int64_t pairs = w.V / 2, entries = w.V * pairs;
+  alignas(64) std::int32_t lanes[kW];
+  for (std::int64_t e = 0; e < entries; ++e) {
+    const std::int64_t v = e / pairs, pair = e % pairs;
+    __mmask16 m = 0;
+    for (int l = 0; l < kW; ++l) {
+      const std::int64_t j = v * kW + l;
+      lanes[l] = 0;
+      if (p.sign[j] == 0) continue;
+      const std::int64_t s = p.src[j], u = s / kW;
+      if (u / 2 != pair) continue;
+      lanes[l] = std::int32_t(s % kW + (u % 2) * kW);
+      m = __mmask16(m | (1u << l));
+    }
+    out_idx[e] = _mm512_load_si512(lanes);
+    out_mask[e] = m;
+  }
+}
+
+// memcmp(a, b, n) == 0, inline, one branch.
+ROME_INLINE bool equal_bytes(const void* a, const void* b, std::size_t n) {
+  const auto* p = static_cast<const char*>(a);
+  const auto* q = static_cast<const char*>(b);
+  __m512i diff = _mm512_setzero_si512();
+  for (; n >= 64; n -= 64, p += 64, q += 64)
+    diff = _mm512_or_si512(diff, _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_loadu_si512(q)));
+  const __mmask64 m = _bzhi_u64(~std::uint64_t(0), unsigned(n));
+  diff = _mm512_or_si512(
+      diff, _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, p), _mm512_maskz_loadu_epi8(m, q)));
+  return _mm512_test_epi64_mask(diff, diff) == 0;
+}
+
+template <typename T>
+ROME_INLINE bool equal(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && equal_bytes(a.data(), b.data(), a.size() * sizeof(T));
+}
+
+// Everything derived from the rotation alone, kept per thread and rebuilt when a batch comes with
+// a different rotation. Rotations are compared by content (a destroyed rotation's address may be
+// reused by another), which costs a few hundred bytes of memcmp per batch.
+class Prepared {
+ public:
+  Kind kind = Kind::general;
+  const __m512i* idx = nullptr;
+  const std::int32_t* src = nullptr;
+  const __mmask16* mask = nullptr;
+  const __mmask16* src_mask = nullptr;
+  const __m512i* pair_idx_b = nullptr;
+  const __m512i* pair_idx_a = nullptr;
+  const __mmask16* pair_mask_b = nullptr;
+  const __mmask16* pair_mask_a = nullptr;
+
+  void update(const RotationData& r, const Work& w) {
+    if (matches(r)) return;
+    rd_ = r.rotary_dim;
+    a_identity_ = r.a_identity;
+    b_src_ = r.b.src;
+    b_sign_ = r.b.sign;
+    a_src_ = r.a_identity ? std::vector<std::int32_t>() : r.a.src;
+    a_sign_ = r.a_identity ? std::vector<std::int8_t>() : r.a.sign;
+    const std::int64_t V = w.V;
+    const bool fixed = w.rd == 64 || w.rd == 128 || w.rd == 256;
+    const std::int64_t entries = fixed ? V * (V / 2) : 0;
+    // idx (V), pair_idx (2 · entries) vectors; src (V); mask, src_mask (V), pair_mask (2 ·
+    // entries).
+    const std::size_t bytes =
+        std::size_t(V + 2 * entries) * 64 + std::size_t(V) * 8 + std::size_t(2 * entries) * 2;
+    char* base = static_cast<char*>(storage_.get(bytes));
+    auto* idx_v = reinterpret_cast<__m512i*>(base);
+    auto* pairs_v = idx_v + V;
+    auto* src_v = reinterpret_cast<std::int32_t*>(pairs_v + 2 * entries);
+    auto* mask_v = reinterpret_cast<__mmask16*>(src_v + V);
+    auto* src_mask_v = mask_v + V;
+    auto* pair_mask_v = src_mask_v + V;
+    kind = classify(r, w, idx_v, src_v, mask_v, src_mask_v);
+    idx = idx_v;
+    src = src_v;
+    mask = mask_v;
+    src_mask = src_mask_v;
+    pair_idx_b = pair_idx_a = nullptr;
+    pair_mask_b = pair_mask_a = nullptr;
+    if (kind == Kind::general && fixed) {
+      build_pairs(r.b, w, pairs_v, pair_mask_v);
+      pair_idx_b = pairs_v;
+      pair_mask_b = pair_mask_v;
+      if (!r.a_identity) {
+        build_pairs(r.a, w, pairs_v + entries, pair_mask_v + entries);
+        pair_idx_a = pairs_v + entries;
+        pair_mask_a = pair_mask_v + entries;
+      }
+    }
+  }
+
+ private:
+  bool matches(const RotationData& r) const {
+    return rd_ == r.rotary_dim && a_identity_ == r.a_identity && equal(b_src_, r.b.src) &&
+           equal(b_sign_, r.b.sign) &&
+           (r.a_identity || (equal(a_src_, r.a.src) && equal(a_sign_, r.a.sign)));
+  }
+
+  std::int64_t rd_ = -1;
+  bool a_identity_ = true;
+  std::vector<std::int32_t> a_src_, b_src_;
+  std::vector<std::int8_t> a_sign_, b_sign_;
+  Scratch storage_;
+};
+
+struct ThreadState {
+  Runs runs;
+  Scratch scratch;  // C, S, X of rows longer than the stack buffer
+  Prepared prepared;
+};
+thread_local ThreadState t_state;
+
+template <DType D, typename N>
+ROME_INLINE void forward_impl(const RotationData& r, const ForwardBatch& batch) {
+  using L = Lanes<D, N>;
+  if (batch.count <= 0) return;
+  const VectorPermutePlan& pa = r.avx512.a;
+  const VectorPermutePlan& pb = r.avx512.b;
+  if (!r.a_identity) {
+    for (std::int64_t j = 0; j < r.rotary_dim; ++j)
+      if (pa.keep_bits[j] == 0) return scalar_kernels().forward_permute(r, batch);
+  }
+  Work w;
+  w.r = &r;
+  w.rd = r.rotary_dim;
+  w.hd = r.head_dim;
+  w.V = (w.rd + kW - 1) / kW;
+  w.pass = batch.copy_passthrough && w.hd > w.rd;
+  const int rem = int(w.rd % kW);
+  w.tail = rem ? __mmask16((1u << rem) - 1) : __mmask16(0xffff);
+  const std::int64_t es = sizeof(typename L::T);
+  ThreadState& state = t_state;
+  const Traffic traffic = estimate_traffic(batch, w.hd * es, state.runs);
+  w.stream = traffic.stream;
+  if (traffic.prefetch) {
+    w.pf_bytes = (w.pass ? w.hd : w.rd) * es;
+    w.pf_offset = (traffic.contiguous ? kPrefetchRowsContiguous : kPrefetchRows) * w.hd * es;
+    for (std::int64_t j = 0; j < w.rd; j += 16) {
+      _mm_prefetch(reinterpret_cast<const char*>(batch.cos + kPrefetchRows * w.rd + j),
+                   _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(batch.sin + kPrefetchRows * w.rd + j),
+                   _MM_HINT_T0);
+    }
+  }
+
+  // Per batch: C, S, X (V·16 floats each). The permute data comes from the thread's cache.
+  const std::int64_t V = w.V;
+  constexpr std::int64_t kStackVectors = 16;
+  alignas(64) float stack[3 * kStackVectors * kW];
+  float* C = V <= kStackVectors
+                 ? stack
+                 : static_cast<float*>(state.scratch.get(std::size_t(3 * V * kW) * sizeof(float)));
+  float* S = C + V * kW;
+  w.X = S + V * kW;
+  w.C = C;
+  w.S = S;
+  {
+    const float* cos = batch.cos;
+    const float* sin = batch.sin;
+    const auto* a_signs = reinterpret_cast<const float*>(pa.sign_bits.data());
+    const auto* b_signs = reinterpret_cast<const float*>(pb.sign_bits.data());
+    const bool a_identity = r.a_identity;
+    for (std::int64_t v = 0; v < V; ++v) {
+      const __mmask16 m = lanes_of(w, v);
+      __m512 c = _mm512_maskz_loadu_ps(m, cos + kW * v);
+      const __m512 s = _mm512_maskz_loadu_ps(m, sin + kW * v);
+      if (!a_identity) c = _mm512_xor_ps(c, _mm512_loadu_ps(a_signs + kW * v));
+      _mm512_store_ps(C + kW * v, c);
+      _mm512_store_ps(S + kW * v, _mm512_xor_ps(s, _mm512_loadu_ps(b_signs + kW * v)));
+    }
+  }
+  Prepared& prepared = state.prepared;
+  prepared.update(r, w);
+  const Kind kind = prepared.kind;
+  w.idx = prepared.idx;
+  w.src = prepared.src;
+  w.mask = prepared.mask;
+  w.src_mask = prepared.src_mask;
+  w.pair_idx_b = prepared.pair_idx_b;
+  w.pair_idx_a = prepared.pair_idx_a;
+  w.pair_mask_b = prepared.pair_mask_b;
+  w.pair_mask_a = prepared.pair_mask_a;
+  switch (w.rd) {
+    case 64: dispatch_rows<L, 4>(kind, w, batch); break;
+    case 128: dispatch_rows<L, 8>(kind, w, batch); break;
+    case 256: dispatch_rows<L, 16>(kind, w, batch); break;
+    default: dispatch_rows<L, 0>(kind, w, batch); break;
+  }
+  // Non-temporal stores are weakly ordered: make them visible before the batch is reported done.
+  if (w.stream) _mm_sfence();
+}
+
+void forward_f32(const RotationData& r, const ForwardBatch& b) {
+  forward_impl<DType::f32, NarrowExact>(r, b);
+}
+void forward_f16(const RotationData& r, const ForwardBatch& b) {
+  forward_impl<DType::f16, NarrowExact>(r, b);
+}
+void forward_bf16(const RotationData& r, const ForwardBatch& b) {
+  forward_impl<DType::bf16, NarrowExact>(r, b);
+}
+void forward_bf16_insn(const RotationData& r, const ForwardBatch& b) {
+  forward_impl<DType::bf16, NarrowBf16Insn>(r, b);
+}
+
+void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
+  static const bool bf16_insn = detail::cpu_features().avx512_bf16;
+  switch (b.dtype) {
+    case DType::f32: return forward_f32(r, b);
+    case DType::f16: return forward_f16(r, b);
+    case DType::bf16: return bf16_insn ? forward_bf16_insn(r, b) : forward_bf16(r, b);
+    default: return scalar_kernels().forward_permute(r, b);
+  }
+}
+
+}  // namespace
+
+const KernelTable& avx512_kernels() {
+  static const KernelTable table{"avx512", forward_permute_any, avx512_forward_dense};
+  return table;
+}
+
+}  // namespace rome::kernels
