@@ -4,6 +4,7 @@
 #include <cmath>
 #include <string>
 
+#include "convert.hpp"
 #include "rome/error.hpp"
 #include "rotation_data.hpp"
 
@@ -82,6 +83,51 @@ VectorPermutePlan VectorPermutePlan::build(const SignedPermutation& perm, int wi
     plan.step_begin.push_back(std::int32_t(plan.steps.size()));
   }
   return plan;
+}
+
+namespace {
+
+TilePackedMatrix pack_tiles(const std::vector<float>& m, std::int64_t dim,
+                            const std::vector<RotationData::Block>& blocks) {
+  using P = TilePackedMatrix;
+  P packed;
+  std::int64_t tiles = 0;
+  for (const auto& block : blocks) {
+    packed.block_first_tile.push_back(tiles);
+    tiles +=
+        ((block.size + P::kTileK - 1) / P::kTileK) * ((block.size + P::kTileN - 1) / P::kTileN);
+  }
+  packed.hi.assign(tiles * P::kTileElements, 0);
+  packed.lo.assign(tiles * P::kTileElements, 0);
+  for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
+    const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
+    const std::int64_t n_tiles = (n + P::kTileN - 1) / P::kTileN;
+    for (std::int64_t k = 0; k < n; ++k)
+      for (std::int64_t j = 0; j < n; ++j) {
+        const float v = m[(o + k) * dim + o + j];
+        const std::uint16_t hi = float_to_bf16(v);
+        const std::uint16_t lo = float_to_bf16(v - bf16_to_float(hi));
+        const std::int64_t tile =
+            packed.block_first_tile[bi] + (k / P::kTileK) * n_tiles + j / P::kTileN;
+        const std::int64_t kk = k % P::kTileK, jj = j % P::kTileN;
+        const std::int64_t at =
+            tile * P::kTileElements + (kk / 2) * (2 * P::kTileN) + jj * 2 + kk % 2;
+        packed.hi[at] = hi;
+        packed.lo[at] = lo;
+        packed.has_lo |= lo != 0 && (lo & 0x7fff) != 0;
+      }
+  }
+  return packed;
+}
+
+}  // namespace
+
+const TilePacks& RotationData::tile_packs() const {
+  std::call_once(lazy_tile_packs_->once, [&] {
+    if (!dense_a.empty()) lazy_tile_packs_->packs.a = pack_tiles(dense_a, rotary_dim, dense_blocks);
+    lazy_tile_packs_->packs.b = pack_tiles(dense_b, rotary_dim, dense_blocks);
+  });
+  return lazy_tile_packs_->packs;
 }
 
 }  // namespace detail
@@ -201,8 +247,8 @@ void require_matrix(const char* argument, std::span<const float> m, std::int64_t
 
 Rotation Rotation::half(std::int64_t dim) {
   require_dim("dim", dim, 2);
-  return Rotation(permutation_rotation(dim, SignedPermutation::identity(dim),
-                                       half_permutation(dim)));
+  return Rotation(
+      permutation_rotation(dim, SignedPermutation::identity(dim), half_permutation(dim)));
 }
 
 Rotation Rotation::interleave(std::int64_t dim) {
@@ -326,15 +372,23 @@ Rotation Rotation::partial(std::int64_t head_dim) const {
     fail(Status::invalid_argument, "head_dim",
          "an even size of at least rotary_dim " + std::to_string(data_->rotary_dim),
          std::to_string(head_dim));
-  auto d = std::make_shared<RotationData>(*data_);
+  auto d = std::make_shared<RotationData>(*data_);  // shares the lazily built tile packs
   d->head_dim = head_dim;
   return Rotation(std::move(d));
 }
 
-std::int64_t Rotation::head_dim() const noexcept { return data_->head_dim; }
-std::int64_t Rotation::rotary_dim() const noexcept { return data_->rotary_dim; }
-Rotation::Kind Rotation::kind() const noexcept { return data_->kind; }
-bool Rotation::a_is_identity() const noexcept { return data_->a_identity; }
+std::int64_t Rotation::head_dim() const noexcept {
+  return data_->head_dim;
+}
+std::int64_t Rotation::rotary_dim() const noexcept {
+  return data_->rotary_dim;
+}
+Rotation::Kind Rotation::kind() const noexcept {
+  return data_->kind;
+}
+bool Rotation::a_is_identity() const noexcept {
+  return data_->a_identity;
+}
 
 std::vector<float> Rotation::to_dense_a() const {
   if (data_->kind == Kind::signed_permutation) return permutation_to_dense(data_->a);

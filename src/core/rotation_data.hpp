@@ -2,6 +2,8 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
+#include <mutex>
 #include <vector>
 
 #include "rome/rotation.hpp"
@@ -45,6 +47,19 @@ struct PermutePlans {
   VectorPermutePlan a_t, b_t;  // backward: v·Aᵀ, v·Bᵀ
 };
 
+// A dense matrix split into bf16 hi + lo parts (m ≈ hi + lo to about 2^-16 relative) and packed
+// as AMX B tiles: per diagonal block, tiles of 32 k-rows × 16 n-columns in VNNI order (row p
+// holds the pairs (m[k0+2p][n], m[k0+2p+1][n]) for 16 n), zero outside the block.
+struct TilePackedMatrix {
+  static constexpr int kTileK = 32, kTileN = 16, kTileElements = kTileK * kTileN;
+  std::vector<std::uint16_t> hi, lo;
+  std::vector<std::int64_t> block_first_tile;  // index of each block's first tile
+  bool has_lo = false;                         // false when every entry is exact in bf16
+};
+struct TilePacks {
+  TilePackedMatrix a, b;  // a empty when A = I
+};
+
 struct RotationData {
   std::int64_t head_dim = 0;
   std::int64_t rotary_dim = 0;
@@ -64,6 +79,16 @@ struct RotationData {
     std::int64_t offset, size;
   };
   std::vector<Block> dense_blocks;
+
+  // Built on first use by the matrix-unit kernel (and its emulation in the tests).
+  const TilePacks& tile_packs() const;
+
+ private:
+  struct LazyTilePacks {
+    std::once_flag once;
+    TilePacks packs;
+  };
+  std::shared_ptr<LazyTilePacks> lazy_tile_packs_ = std::make_shared<LazyTilePacks>();
 };
 
 }  // namespace rome::detail

@@ -1,0 +1,123 @@
+// AVX-512 dense rotations: x·B (and x·A) as fp32 FMA products on the CPU's vector units, for
+// CPUs without a matrix unit. Per diagonal block, output columns are vectorised 16 at a time and
+// x[i] is broadcast in ascending i from +0, so every lane does exactly the scalar kernel's
+// sequence of FMAs: the results match it bit for bit. Tiles of R rows × 32 columns keep the
+// accumulators in registers while each row of B is loaded once per tile.
+#include "../dense_kernels.hpp"
+#include "../kernel_api.hpp"
+#include "avx512_lanes.hpp"
+
+namespace rome::kernels {
+namespace {
+
+using detail::RotationData;
+using namespace avx512;
+
+constexpr int kColumnVectors = 2;  // 32 output columns per tile
+
+template <DType D, int R, bool DenseA>
+void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t first_row,
+                const float* X, std::int64_t x_stride) {
+  using L = Lanes<D, NarrowExact>;
+  using T = typename L::T;
+  const std::int64_t rd = r.rotary_dim;
+  const float* a = r.dense_a.data();
+  const float* b = r.dense_b.data();
+  for (const auto& block : r.dense_blocks) {
+    const std::int64_t begin = block.offset, end = block.offset + block.size;
+    for (std::int64_t c0 = begin; c0 < end; c0 += kColumnVectors * kW) {
+      __mmask16 mask[kColumnVectors];
+      for (int v = 0; v < kColumnVectors; ++v) {
+        const std::int64_t left = end - (c0 + v * kW);
+        mask[v] = left >= kW  ? __mmask16(0xffff)
+                  : left <= 0 ? __mmask16(0)
+                              : __mmask16((1u << left) - 1);
+      }
+      __m512 acc_b[R][kColumnVectors], acc_a[R][kColumnVectors];
+      for (int i = 0; i < R; ++i)
+        for (int v = 0; v < kColumnVectors; ++v) acc_b[i][v] = acc_a[i][v] = _mm512_setzero_ps();
+      for (std::int64_t i = begin; i < end; ++i) {
+        __m512 bi[kColumnVectors], ai[kColumnVectors];
+        for (int v = 0; v < kColumnVectors; ++v) {
+          bi[v] = _mm512_maskz_loadu_ps(mask[v], b + i * rd + c0 + v * kW);
+          if constexpr (DenseA) ai[v] = _mm512_maskz_loadu_ps(mask[v], a + i * rd + c0 + v * kW);
+        }
+        for (int row = 0; row < R; ++row) {
+          const __m512 xi = _mm512_set1_ps(X[row * x_stride + i]);
+          for (int v = 0; v < kColumnVectors; ++v) {
+            acc_b[row][v] = _mm512_fmadd_ps(xi, bi[v], acc_b[row][v]);
+            if constexpr (DenseA) acc_a[row][v] = _mm512_fmadd_ps(xi, ai[v], acc_a[row][v]);
+          }
+        }
+      }
+      for (int v = 0; v < kColumnVectors; ++v) {
+        if (!mask[v]) continue;
+        const std::int64_t j = c0 + v * kW;
+        const __m512 c = _mm512_maskz_loadu_ps(mask[v], batch.cos + j);
+        const __m512 s = _mm512_maskz_loadu_ps(mask[v], batch.sin + j);
+        for (int row = 0; row < R; ++row) {
+          const __m512 xa =
+              DenseA ? acc_a[row][v] : _mm512_maskz_loadu_ps(mask[v], X + row * x_stride + j);
+          const __m512 y = combine(xa, c, acc_b[row][v], s);
+          L::store(static_cast<T*>(batch.rows[first_row + row].y) + j, y, mask[v]);
+        }
+      }
+    }
+  }
+}
+
+template <DType D, bool DenseA>
+void forward_dense_rows(const RotationData& r, const ForwardBatch& batch) {
+  using L = Lanes<D, NarrowExact>;
+  using T = typename L::T;
+  constexpr int kRows = DenseA ? 4 : 8;  // accumulators: kRows × 2 (× 2 with A) ≤ 16 zmm
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  const std::int64_t x_stride = (rd + kW - 1) / kW * kW;
+  thread_local Scratch scratch;
+  float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(kRows * x_stride)));
+  const bool pass = batch.copy_passthrough && hd > rd;
+  for (std::int64_t first = 0; first < batch.count; first += kRows) {
+    const int rows = int(std::min<std::int64_t>(kRows, batch.count - first));
+    // Stage the tile's rows in fp32 before any write: a row's y may be its x.
+    for (int row = 0; row < rows; ++row) {
+      const T* x = static_cast<const T*>(batch.rows[first + row].x);
+      for (std::int64_t j = 0; j < rd; j += kW) {
+        const std::int64_t left = rd - j;
+        const __mmask16 m = left >= kW ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+        _mm512_store_ps(X + row * x_stride + j, L::load(x + j, m));
+      }
+    }
+    switch (rows) {
+      case kRows: dense_tile<D, kRows, DenseA>(r, batch, first, X, x_stride); break;
+      default:
+        for (int row = 0; row < rows; ++row)
+          dense_tile<D, 1, DenseA>(r, batch, first + row, X + row * x_stride, x_stride);
+    }
+    if (pass)
+      for (int row = 0; row < rows; ++row)
+        copy_bytes(static_cast<T*>(batch.rows[first + row].y) + rd,
+                   static_cast<const T*>(batch.rows[first + row].x) + rd,
+                   (hd - rd) * std::int64_t(sizeof(T)), false);
+  }
+}
+
+template <DType D>
+void forward_dense_typed(const RotationData& r, const ForwardBatch& batch) {
+  if (r.a_identity)
+    forward_dense_rows<D, false>(r, batch);
+  else
+    forward_dense_rows<D, true>(r, batch);
+}
+
+}  // namespace
+
+void avx512_forward_dense(const RotationData& r, const ForwardBatch& batch) {
+  switch (batch.dtype) {
+    case DType::f32: return forward_dense_typed<DType::f32>(r, batch);
+    case DType::f16: return forward_dense_typed<DType::f16>(r, batch);
+    case DType::bf16: return forward_dense_typed<DType::bf16>(r, batch);
+    default: return scalar_kernels().forward_dense(r, batch);
+  }
+}
+
+}  // namespace rome::kernels

@@ -1,0 +1,14 @@
+// Dense-rotation kernels, one per ISA, defined beside that ISA's permute kernels.
+#pragma once
+
+#include "kernel_api.hpp"
+
+namespace rome::kernels {
+
+void avx2_forward_dense(const detail::RotationData& rotation, const ForwardBatch& batch);
+void avx512_forward_dense(const detail::RotationData& rotation, const ForwardBatch& batch);
+// The AMX ISA's kernels with the tile unit replaced by a software model: for tests on CPUs
+// without AMX (it needs AVX-512).
+const KernelTable& amx_emulated_kernels();
+
+}  // namespace rome::kernels
