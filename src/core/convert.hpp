@@ -20,7 +20,9 @@ inline float bits_float(std::uint32_t u) {
   return f;
 }
 
-inline float bf16_to_float(std::uint16_t h) { return bits_float(std::uint32_t(h) << 16); }
+inline float bf16_to_float(std::uint16_t h) {
+  return bits_float(std::uint32_t(h) << 16);
+}
 
 inline std::uint16_t float_to_bf16(float f) {
   std::uint32_t u = float_bits(f);

@@ -125,7 +125,8 @@ void override_kernels_for_testing(const kernels::KernelTable* table) noexcept {
 }
 
 const kernels::KernelTable& active_kernels() noexcept {
-  if (const kernels::KernelTable* table = kernel_override.load(std::memory_order_relaxed)) return *table;
+  if (const kernels::KernelTable* table = kernel_override.load(std::memory_order_relaxed))
+    return *table;
   switch (Isa(active_isa_value().load(std::memory_order_relaxed))) {
 #ifdef ROME_HAVE_AMX
     case Isa::amx: return kernels::amx_kernels();
@@ -185,9 +186,13 @@ bool isa_compiled(Isa isa) noexcept {
   }
 }
 
-Isa detected_isa() noexcept { return detail::isa_from_features(detail::cpu_features()); }
+Isa detected_isa() noexcept {
+  return detail::isa_from_features(detail::cpu_features());
+}
 
-Isa active_isa() noexcept { return Isa(detail::active_isa_value().load()); }
+Isa active_isa() noexcept {
+  return Isa(detail::active_isa_value().load());
+}
 
 Isa set_max_isa(Isa limit) noexcept {
   // Lowering only: never above what the CPU, the build and ROME_MAX_ISA allow.

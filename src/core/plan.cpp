@@ -25,8 +25,7 @@ template <typename P>
 int64_t checked_numel(const std::string& name, const BasicView<P>& v) {
   int64_t n = 1;
   for (int i = 0; i < v.rank; ++i) {
-    if (v.shape[i] < 0)
-      fail(Status::invalid_argument, name, "non-negative sizes", shape_string(v));
+    if (v.shape[i] < 0) fail(Status::invalid_argument, name, "non-negative sizes", shape_string(v));
     if (v.shape[i] != 0 && n > kMaxElements / v.shape[i])
       fail(Status::out_of_range, name, "at most 2^60 elements", shape_string(v));
     n *= v.shape[i];
@@ -155,8 +154,7 @@ void check_tensor(const std::string& name, const ConstTensorView& v, int64_t hea
   if (v.shape[v.rank - 1] != head_dim)
     fail(Status::invalid_argument, name,
          "a last axis of " + to_string(head_dim) + " (the rotation's head_dim)", shape_string(v));
-  if (n > 0 && v.data == nullptr)
-    fail(Status::invalid_argument, name, "a data pointer", "null");
+  if (n > 0 && v.data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
   if (head_dim > 1 && v.strides[v.rank - 1] != 1)
     fail(Status::invalid_argument, name, "a contiguous last axis (stride 1)",
          "stride " + to_string(v.strides[v.rank - 1]));
@@ -170,9 +168,9 @@ CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t
   const std::string out = name + "_out";
   check_tensor(out, as_const(op.out), head_dim);
   if (op.out.dtype != op.in.dtype)
-    fail(Status::invalid_argument, out + ".dtype", dtype_name(op.in.dtype), dtype_name(op.out.dtype));
-  if (op.out.rank != op.in.rank ||
-      !std::equal(op.in.shape, op.in.shape + op.in.rank, op.out.shape))
+    fail(Status::invalid_argument, out + ".dtype", dtype_name(op.in.dtype),
+         dtype_name(op.out.dtype));
+  if (op.out.rank != op.in.rank || !std::equal(op.in.shape, op.in.shape + op.in.rank, op.out.shape))
     fail(Status::invalid_argument, out, "the shape of " + name + " " + shape_string(op.in),
          shape_string(op.out));
   CheckedOperand c;
@@ -242,8 +240,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       fail(Status::invalid_argument, "k", "rank " + to_string(rank) + " (the rank of q)",
            "rank " + to_string(k->in.rank));
     if (k->in.dtype != q.in.dtype)
-      fail(Status::invalid_argument, "k.dtype", std::string(dtype_name(q.in.dtype)) + " (the dtype of q)",
-           dtype_name(k->in.dtype));
+      fail(Status::invalid_argument, "k.dtype",
+           std::string(dtype_name(q.in.dtype)) + " (the dtype of q)", dtype_name(k->in.dtype));
     const int es = dtype_size(plan.dtype);
     if (k->in.numel() > 0 && q.in.numel() > 0) {
       if (may_overlap(q.out, k->out, es))
@@ -260,7 +258,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   const ConstTensorView& sin = tables.sin;
   const int64_t columns = expected_columns(rot, tables.width);
   if (tables.width != TableWidth::full && rot.rotary_dim % 2 != 0)
-    fail(Status::invalid_argument, "tables.width", "full for an odd rotary_dim", width_name(tables.width));
+    fail(Status::invalid_argument, "tables.width", "full for an odd rotary_dim",
+         width_name(tables.width));
   for (const auto* t : {&cos, &sin}) {
     const std::string name = t == &cos ? "cos" : "sin";
     if (t->rank < 1 || t->rank > kMaxRank)
@@ -279,7 +278,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       fail(Status::invalid_argument, name, "a data pointer", "null");
   }
   if (cos.rank != sin.rank || !std::equal(cos.shape, cos.shape + cos.rank, sin.shape))
-    fail(Status::invalid_argument, "sin", "the shape of cos " + shape_string(cos), shape_string(sin));
+    fail(Status::invalid_argument, "sin", "the shape of cos " + shape_string(cos),
+         shape_string(sin));
 
   TablePlan& tp = plan.tables;
   tp.cos = static_cast<const char*>(cos.data);
@@ -298,7 +298,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   auto check_broadcast = [&](const std::string& name, const ConstTensorView& t, int t_axes) {
     if (t_axes > axes)
       fail(Status::invalid_argument, name,
-           "at most " + to_string(axes) + " axes before the last (x has rank " + to_string(rank) + ")",
+           "at most " + to_string(axes) + " axes before the last (x has rank " + to_string(rank) +
+               ")",
            shape_string(t));
     for (int i = 0; i < t_axes; ++i) {
       const int xi = axes - t_axes + i;
@@ -307,8 +308,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       const bool fits_k = !k || ts == 1 || ts == k->in.shape[xi];
       if (!fits_q || !fits_k)
         fail(Status::invalid_argument, name,
-             "a shape broadcastable to " + std::string(!fits_q ? "q " + shape_string(q.in)
-                                                               : "k " + shape_string(k->in)),
+             "a shape broadcastable to " +
+                 std::string(!fits_q ? "q " + shape_string(q.in) : "k " + shape_string(k->in)),
              shape_string(t));
     }
   };

@@ -32,7 +32,8 @@ struct TablePlan {
   const char* cos = nullptr;
   const char* sin = nullptr;
   DType dtype_cos = DType::f32, dtype_sin = DType::f32;
-  std::int64_t cos_outer[kMaxRank] = {}, sin_outer[kMaxRank] = {};  // direct: strides per outer axis
+  std::int64_t cos_outer[kMaxRank] = {},
+               sin_outer[kMaxRank] = {};    // direct: strides per outer axis
   std::int64_t cos_row = 0, sin_row = 0;    // cache: stride between cache rows
   std::int64_t cos_lane = 1, sin_lane = 1;  // stride between columns
   TableWidth width = TableWidth::full;
@@ -90,7 +91,6 @@ struct TableRow {
   const float* cos;
   const float* sin;
 };
-TableRow load_table_row(const ForwardPlan& plan, const std::int64_t* outer, float* cos,
-                        float* sin);
+TableRow load_table_row(const ForwardPlan& plan, const std::int64_t* outer, float* cos, float* sin);
 
 }  // namespace rome::detail

@@ -26,7 +26,8 @@ struct RowMath {
       std::copy(v, v + rd, out);
     } else if (r.kind == Rotation::Kind::signed_permutation) {
       const detail::SignedPermutation& p = which == 0 ? r.a : r.b;
-      for (std::int64_t j = 0; j < rd; ++j) out[j] = p.sign[j] ? float(p.sign[j]) * v[p.src[j]] : 0.0f;
+      for (std::int64_t j = 0; j < rd; ++j)
+        out[j] = p.sign[j] ? float(p.sign[j]) * v[p.src[j]] : 0.0f;
     } else {
       const float* m = which == 0 ? r.dense_a.data() : r.dense_b.data();
       for (std::int64_t j = 0; j < rd; ++j) {
@@ -81,8 +82,9 @@ void store_table_gradient(const TensorView& d, const std::int64_t* outer_strides
   char* row = static_cast<char*>(d.data) + offset * dtype_size(d.dtype);
   std::vector<double> sums(columns, 0.0);  // several lanes share a column in half-width tables
   for (std::int64_t j = 0; j < rd; ++j)
-    sums[width == TableWidth::full ? j : width == TableWidth::halves ? j % columns : j / 2] +=
-        lanes[j];
+    sums[width == TableWidth::full     ? j
+         : width == TableWidth::halves ? j % columns
+                                       : j / 2] += lanes[j];
   for (std::int64_t c = 0; c < columns; ++c)
     detail::store_any(row, d.dtype, c * lane, float(sums[c]));
 }
@@ -172,14 +174,17 @@ void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTe
   // dA/dB: fixed chunks summed in order, so results do not depend on the thread count.
   const std::int64_t matrix = rd * rd;
   const std::int64_t budget = std::max<std::int64_t>(1, (std::int64_t(64) << 20) / (16 * matrix));
-  const std::int64_t chunks = std::max<std::int64_t>(1, std::min({items, std::int64_t(64), budget}));
-  std::vector<double> partial_a(out.da ? chunks * matrix : 0), partial_b(out.db ? chunks * matrix : 0);
-  detail::parallel_for(chunks, std::min<std::int64_t>(threads, chunks), [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t c = b; c < e; ++c)
-      backward_range(bp, items * c / chunks, items * (c + 1) / chunks,
-                     out.da ? partial_a.data() + c * matrix : nullptr,
-                     out.db ? partial_b.data() + c * matrix : nullptr);
-  });
+  const std::int64_t chunks =
+      std::max<std::int64_t>(1, std::min({items, std::int64_t(64), budget}));
+  std::vector<double> partial_a(out.da ? chunks * matrix : 0),
+      partial_b(out.db ? chunks * matrix : 0);
+  detail::parallel_for(chunks, std::min<std::int64_t>(threads, chunks),
+                       [&](std::int64_t b, std::int64_t e) {
+                         for (std::int64_t c = b; c < e; ++c)
+                           backward_range(bp, items * c / chunks, items * (c + 1) / chunks,
+                                          out.da ? partial_a.data() + c * matrix : nullptr,
+                                          out.db ? partial_b.data() + c * matrix : nullptr);
+                       });
   for (auto [dst, partial] : {std::pair{out.da, &partial_a}, std::pair{out.db, &partial_b}}) {
     if (!dst) continue;
     for (std::int64_t e = 0; e < matrix; ++e) {

@@ -36,10 +36,12 @@ void rotate_rows(const ForwardJob& job, const OperandPlan& op, const std::int64_
     out_offset += outer[i] * op.outer_out[i];
   }
   RowRef refs[detail::kRowBatch];
-  ForwardBatch batch{table.cos, table.sin, refs, 0, plan.dtype,
-                     !op.in_place && plan.rotation->head_dim > plan.rotation->rotary_dim};
+  ForwardBatch batch{
+      table.cos, table.sin,  refs,
+      0,         plan.dtype, !op.in_place && plan.rotation->head_dim > plan.rotation->rotary_dim};
   detail::walk_rows(op.inner, row_begin, row_end, [&](std::int64_t in, std::int64_t out) {
-    refs[batch.count++] = {op.in_base + (in_offset + in) * es, op.out_base + (out_offset + out) * es};
+    refs[batch.count++] = {op.in_base + (in_offset + in) * es,
+                           op.out_base + (out_offset + out) * es};
     if (batch.count == detail::kRowBatch) {
       job.kernel(*plan.rotation, batch);
       batch.count = 0;
@@ -88,9 +90,8 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   if (threads > 1 && plan.outer_total < 4 * threads)
     parts = std::min<std::int64_t>(rows, (4 * threads + plan.outer_total - 1) / plan.outer_total);
   ForwardJob job{&plan, kernel, parts};
-  detail::parallel_for(plan.outer_total * parts, threads, [&](std::int64_t b, std::int64_t e) {
-    run_items(job, b, e);
-  });
+  detail::parallel_for(plan.outer_total * parts, threads,
+                       [&](std::int64_t b, std::int64_t e) { run_items(job, b, e); });
 }
 
 }  // namespace rome

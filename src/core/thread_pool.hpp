@@ -15,8 +15,8 @@ void parallel_for(std::int64_t items, int threads, RangeFn fn, void* context);
 template <typename F>
 void parallel_for(std::int64_t items, int threads, F&& f) {
   parallel_for(
-      items, threads,
-      [](void* c, std::int64_t b, std::int64_t e) { (*static_cast<F*>(c))(b, e); }, &f);
+      items, threads, [](void* c, std::int64_t b, std::int64_t e) { (*static_cast<F*>(c))(b, e); },
+      &f);
 }
 
 int hardware_threads() noexcept;

@@ -40,6 +40,8 @@ class ScopedIsa {
   ScopedIsa& operator=(const ScopedIsa&) = delete;
 };
 
-inline std::string isa_param_name(Isa isa) { return isa_name(isa); }
+inline std::string isa_param_name(Isa isa) {
+  return isa_name(isa);
+}
 
 }  // namespace rome::testing

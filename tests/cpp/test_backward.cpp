@@ -36,13 +36,22 @@ const std::vector<GradCase>& grad_cases() {
       {"half_table_halves_width", [] { return Rotation::half(8); }, {4, 0}, TableWidth::halves},
       {"interleave_pairs_width", [] { return Rotation::interleave(6); }, {4, 0}, TableWidth::pairs},
       {"interleave_half", [] { return Rotation::interleave_half(8); }, {1, 3, 4, 0}},
-      {"blocks_half_interleave", [] { return Rotation::block_diag({Rotation::half(4), Rotation::interleave(6)}); },
+      {"blocks_half_interleave",
+       [] {
+         return Rotation::block_diag({Rotation::half(4), Rotation::interleave(6)});
+       },
        {4, 0}},
       {"partial_half", [] { return Rotation::half(4).partial(10); }, {1, 1, 4, 0}},
-      {"dense_learned", [] { return Rotation::dense(random_values(36, 1), random_values(36, 2), 6); },
-       {1, 1, 4, 0}, TableWidth::full, true},
-      {"dense_b_learned", [] { return Rotation::dense(random_values(16, 3), 4).partial(6); }, {2, 1, 4, 0},
-       TableWidth::full, true},
+      {"dense_learned",
+       [] { return Rotation::dense(random_values(36, 1), random_values(36, 2), 6); },
+       {1, 1, 4, 0},
+       TableWidth::full,
+       true},
+      {"dense_b_learned",
+       [] { return Rotation::dense(random_values(16, 3), 4).partial(6); },
+       {2, 1, 4, 0},
+       TableWidth::full,
+       true},
   };
   return cases;
 }
@@ -56,7 +65,8 @@ TEST_P(Backward, MatchesFiniteDifferences) {
   const std::int64_t d = rotation.head_dim(), rd = rotation.rotary_dim();
   const std::int64_t width = gc.width == TableWidth::full ? rd : rd / 2;
   std::mt19937_64 rng(17 + index);
-  TestTensor x = TestTensor::make(DType::f32, {2, 3, 4, d}), g = TestTensor::make(DType::f32, {2, 3, 4, d});
+  TestTensor x = TestTensor::make(DType::f32, {2, 3, 4, d}),
+             g = TestTensor::make(DType::f32, {2, 3, 4, d});
   x.fill_random(rng, -1, 1);
   g.fill_random(rng, -1, 1);
   auto table_shape = gc.table_shape;
@@ -78,7 +88,8 @@ TEST_P(Backward, MatchesFiniteDifferences) {
   // Perturbations are exact in double: the test tensors are fp32 and L is linear in each input,
   // so a step of 1 gives the derivative exactly: dL/dv = L(v + 1) - L(v), computed in double.
   TestTensor dx = TestTensor::make(DType::f32, x.shape);
-  TestTensor dcos = TestTensor::make(DType::f32, table_shape), dsin = TestTensor::make(DType::f32, table_shape);
+  TestTensor dcos = TestTensor::make(DType::f32, table_shape),
+             dsin = TestTensor::make(DType::f32, table_shape);
   std::vector<float> da(rd * rd, NAN), db(rd * rd, NAN);
   Gradients out;
   out.dx = dx.view();
@@ -91,13 +102,16 @@ TEST_P(Backward, MatchesFiniteDifferences) {
   rope_backward(rotation, tables.view(), g.cview(), x.cview(), out);
 
   const double base = loss(x, tables, rotation);
-  auto close = [](double got, double want) { return std::abs(got - want) <= 1e-5 * (1 + std::abs(want)); };
+  auto close = [](double got, double want) {
+    return std::abs(got - want) <= 1e-5 * (1 + std::abs(want));
+  };
   for (std::int64_t e = 0; e < x.numel(); ++e) {
     const auto idx = x.unravel(e);
     TestTensor xp = x;
     xp.set(idx, x.get(idx) + 1.0);
     const double want = loss(xp, tables, rotation) - base;
-    ASSERT_TRUE(close(dx.get(idx), want)) << "dx at element " << e << ": " << dx.get(idx) << " vs " << want;
+    ASSERT_TRUE(close(dx.get(idx), want))
+        << "dx at element " << e << ": " << dx.get(idx) << " vs " << want;
   }
   for (bool is_sin : {false, true}) {
     TestTensor& grad = is_sin ? dsin : dcos;
@@ -107,8 +121,8 @@ TEST_P(Backward, MatchesFiniteDifferences) {
       TestTensor& t = is_sin ? tp.sin : tp.cos;
       t.set(idx, t.get(idx) + 1.0);
       const double want = loss(x, tp, rotation) - base;
-      ASSERT_TRUE(close(grad.get(idx), want)) << (is_sin ? "dsin" : "dcos") << " at " << e << ": "
-                                              << grad.get(idx) << " vs " << want;
+      ASSERT_TRUE(close(grad.get(idx), want))
+          << (is_sin ? "dsin" : "dcos") << " at " << e << ": " << grad.get(idx) << " vs " << want;
     }
   }
   if (gc.learn_matrices) {
@@ -120,7 +134,8 @@ TEST_P(Backward, MatchesFiniteDifferences) {
         const Rotation perturbed = Rotation::dense(ap, bp, rd).partial(d);
         const double want = loss(x, tables, perturbed) - base;
         const double got = (is_b ? db : da)[e];
-        ASSERT_TRUE(close(got, want)) << (is_b ? "db" : "da") << " at " << e << ": " << got << " vs " << want;
+        ASSERT_TRUE(close(got, want))
+            << (is_b ? "db" : "da") << " at " << e << ": " << got << " vs " << want;
       }
     }
   }
@@ -137,7 +152,8 @@ INSTANTIATE_TEST_SUITE_P(AllCases, Backward,
 // dA/dB do not depend on the thread count (fixed chunks summed in order).
 TEST(Backward, MatrixGradientsIndependentOfThreads) {
   const Rotation rotation = Rotation::dense(random_values(64, 9), random_values(64, 10), 8);
-  TestTensor x = TestTensor::make(DType::f32, {4, 8, 512, 8}), g = TestTensor::make(DType::f32, {4, 8, 512, 8});
+  TestTensor x = TestTensor::make(DType::f32, {4, 8, 512, 8}),
+             g = TestTensor::make(DType::f32, {4, 8, 512, 8});
   std::mt19937_64 rng(4);
   x.fill_random(rng, -1, 1);
   g.fill_random(rng, -1, 1);

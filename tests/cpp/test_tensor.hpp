@@ -153,8 +153,8 @@ inline std::int64_t ulp_distance(DType dtype, double a, double b) {
       bits = b32;
       return bits < 0 ? std::int64_t(INT32_MIN) - bits : bits;
     }
-    const std::uint16_t h = dtype == DType::bf16 ? detail::float_to_bf16(float(v))
-                                                 : detail::float_to_fp16(float(v));
+    const std::uint16_t h =
+        dtype == DType::bf16 ? detail::float_to_bf16(float(v)) : detail::float_to_fp16(float(v));
     bits = std::int16_t(h);
     return bits < 0 ? std::int64_t(INT16_MIN) - bits : bits;
   };

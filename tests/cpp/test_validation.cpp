@@ -65,8 +65,8 @@ struct Call {
 // of `fragments`, and checks that no output was written.
 void expect_error(Call& call, Status status, const std::string& argument,
                   std::initializer_list<std::string> fragments) {
-  const auto out_before = call.out.storage, x_before = call.x.storage,
-             k_before = call.k.storage, k_out_before = call.k_out.storage;
+  const auto out_before = call.out.storage, x_before = call.x.storage, k_before = call.k.storage,
+             k_out_before = call.k_out.storage;
   try {
     call.run();
     ADD_FAILURE() << "no error raised; expected one naming " << argument;
@@ -76,7 +76,8 @@ void expect_error(Call& call, Status status, const std::string& argument,
     const std::string message = e.what();
     EXPECT_NE(message.find("rome: " + argument + ": expected "), std::string::npos) << message;
     EXPECT_NE(message.find(", got "), std::string::npos) << message;
-    for (const auto& f : fragments) EXPECT_NE(message.find(f), std::string::npos) << message << " lacks " << f;
+    for (const auto& f : fragments)
+      EXPECT_NE(message.find(f), std::string::npos) << message << " lacks " << f;
   }
   EXPECT_EQ(out_before, call.out.storage) << "out written on error";
   EXPECT_EQ(x_before, call.x.storage) << "x written on error";
@@ -210,7 +211,8 @@ TEST(Validation, KBatchDiffersAlongTableAxis) {
   c.k_out = TestTensor::make(DType::bf16, {1, 1, 4, 8});
   c.k_view = c.k.cview();
   c.k_out_view = c.k_out.view();
-  expect_error(c, Status::invalid_argument, "cos", {"broadcastable to k [1, 1, 4, 8]", "[2, 1, 4, 8]"});
+  expect_error(c, Status::invalid_argument, "cos",
+               {"broadcastable to k [1, 1, 4, 8]", "[2, 1, 4, 8]"});
 }
 TEST(Validation, TableRank) {
   Call c;
@@ -363,9 +365,13 @@ TEST(RotationValidation, Builders) {
       "b", "NaN or infinite");
   expect_builder_error([] { Rotation::block_diag(std::span<const Rotation>{}); }, "blocks", "none");
   expect_builder_error([] { Rotation::half(8).partial(6); }, "head_dim", "got 6");
-  expect_builder_error([] { Rotation::half(8).partial(16).partial(32); }, "rotation", "already partial");
-  expect_builder_error([] { Rotation::block_diag({Rotation::half(8).partial(16), Rotation::half(8)}); },
-                       "blocks[0]", "partial");
+  expect_builder_error([] { Rotation::half(8).partial(16).partial(32); }, "rotation",
+                       "already partial");
+  expect_builder_error(
+      [] {
+        Rotation::block_diag({Rotation::half(8).partial(16), Rotation::half(8)});
+      },
+      "blocks[0]", "partial");
   expect_builder_error([] { set_num_threads(-1); }, "threads", "got -1");
 }
 
