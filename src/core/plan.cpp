@@ -1,6 +1,7 @@
 #include "plan.hpp"
 
 #include <algorithm>
+#include <climits>
 #include <limits>
 #include <string>
 
@@ -23,12 +24,13 @@ std::string dims_string(const int64_t* shape, int rank) {
 
 template <typename P>
 int64_t checked_numel(const std::string& name, const BasicView<P>& v) {
+  // Overflow checks by multiplication: a 64-bit division per axis was a visible part of a
+  // decode call.
   int64_t n = 1;
   for (int i = 0; i < v.rank; ++i) {
     if (v.shape[i] < 0) fail(Status::invalid_argument, name, "non-negative sizes", shape_string(v));
-    if (v.shape[i] != 0 && n > kMaxElements / v.shape[i])
+    if (__builtin_mul_overflow(n, v.shape[i], &n) || n > kMaxElements)
       fail(Status::out_of_range, name, "at most 2^60 elements", shape_string(v));
-    n *= v.shape[i];
   }
   return n;
 }
@@ -50,14 +52,17 @@ void element_span(const BasicView<P>& v, int64_t& lo, int64_t& hi) {
 
 template <typename P>
 void check_strides(const std::string& name, const BasicView<P>& v) {
-  // |stride| · (size-1) summed must fit in int64 with room for byte offsets.
+  // |stride| · (size-1) summed must fit in 2^60 elements, with room for byte offsets.
   int64_t reach = 0;
   for (int i = 0; i < v.rank; ++i) {
+    if (v.shape[i] <= 1) continue;
     const int64_t s = v.strides[i] < 0 ? -v.strides[i] : v.strides[i];
-    if (v.shape[i] > 1 && s > (kMaxElements - reach) / (v.shape[i] - 1))
+    int64_t step;
+    if (v.strides[i] == INT64_MIN || __builtin_mul_overflow(s, v.shape[i] - 1, &step) ||
+        step > kMaxElements - reach)
       fail(Status::out_of_range, name, "strides whose extent fits in 2^60 elements",
            "strides " + dims_string(v.strides, v.rank));
-    if (v.shape[i] > 1) reach += s * (v.shape[i] - 1);
+    reach += step;
   }
 }
 
