@@ -27,11 +27,11 @@ enum class TableWidth : std::uint8_t {
 struct Tables {
   ConstTensorView cos;
   ConstTensorView sin;
-  ConstTensorView positions;  // empty (data == nullptr) for direct tables
+  ConstTensorView positions;  // empty (rank 0, data == nullptr) for direct tables
   std::vector<int> column_axis;
   TableWidth width = TableWidth::full;
 
-  bool is_cache() const noexcept { return positions.data != nullptr; }
+  bool is_cache() const noexcept { return positions.data != nullptr || positions.rank > 0; }
 };
 
 // One tensor to rotate: `in` is read, `out` is written. out.data == in.data with equal strides

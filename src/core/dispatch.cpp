@@ -141,6 +141,12 @@ const kernels::KernelTable& active_kernels() noexcept {
   }
 }
 
+void check_options(const ExecOptions& options) {
+  if (options.num_threads < 0 || options.num_threads > kMaxThreads)
+    fail(Status::invalid_argument, "options.num_threads",
+         "0 (the default) to " + std::to_string(kMaxThreads), std::to_string(options.num_threads));
+}
+
 void check_environment() {
   static const bool valid = [] {
     const char* env = std::getenv("ROME_MAX_ISA");
@@ -215,8 +221,9 @@ int default_num_threads() noexcept {
 }
 
 void set_num_threads(int threads) {
-  if (threads < 0 || threads > 4096)
-    fail(Status::invalid_argument, "threads", "0 (the default) to 4096", std::to_string(threads));
+  if (threads < 0 || threads > detail::kMaxThreads)
+    fail(Status::invalid_argument, "threads",
+         "0 (the default) to " + std::to_string(detail::kMaxThreads), std::to_string(threads));
   detail::configured_threads.store(threads);
 }
 

@@ -22,5 +22,7 @@ int resolve_threads(int requested) noexcept;
 void override_kernels_for_testing(const kernels::KernelTable* table) noexcept;
 // Throws when the environment asks for something invalid (an unknown ROME_MAX_ISA).
 void check_environment();
+constexpr int kMaxThreads = 4096;
+void check_options(const ExecOptions& options);
 
 }  // namespace rome::detail

@@ -50,15 +50,38 @@ void element_span(const BasicView<P>& v, int64_t& lo, int64_t& hi) {
   }
 }
 
+// Conservative: true when the byte ranges two views span intersect (views of any dtypes).
+template <typename P1, typename P2>
+bool bytes_may_overlap(const BasicView<P1>& a, const BasicView<P2>& b) {
+  if (!a.data || !b.data) return false;
+  int64_t alo, ahi, blo, bhi;
+  element_span(a, alo, ahi);
+  element_span(b, blo, bhi);
+  if (ahi <= alo || bhi <= blo) return false;
+  const auto abase = reinterpret_cast<std::intptr_t>(a.data);
+  const auto bbase = reinterpret_cast<std::intptr_t>(b.data);
+  const int ea = dtype_size(a.dtype), eb = dtype_size(b.dtype);
+  return abase + ahi * ea > bbase + blo * eb && bbase + bhi * eb > abase + alo * ea;
+}
+
+// An output must not share memory with anything the call still reads after writing it.
+template <typename P>
+void require_disjoint(const TensorView& out, const std::string& out_name, const BasicView<P>& in,
+                      const std::string& in_name) {
+  if (bytes_may_overlap(out, in))
+    fail(Status::invalid_argument, out_name, "memory disjoint from " + in_name, "an overlap");
+}
+
 template <typename P>
 void check_strides(const std::string& name, const BasicView<P>& v) {
   // |stride| · (size-1) summed must fit in 2^60 elements, with room for byte offsets.
   int64_t reach = 0;
   for (int i = 0; i < v.rank; ++i) {
     if (v.shape[i] <= 1) continue;
-    const int64_t s = v.strides[i] < 0 ? -v.strides[i] : v.strides[i];
-    int64_t step;
-    if (v.strides[i] == INT64_MIN || __builtin_mul_overflow(s, v.shape[i] - 1, &step) ||
+    int64_t step = 0;
+    const bool negatable = v.strides[i] != INT64_MIN;
+    const int64_t s = !negatable ? 0 : v.strides[i] < 0 ? -v.strides[i] : v.strides[i];
+    if (!negatable || __builtin_mul_overflow(s, v.shape[i] - 1, &step) ||
         step > kMaxElements - reach)
       fail(Status::out_of_range, name, "strides whose extent fits in 2^60 elements",
            "strides " + dims_string(v.strides, v.rank));
@@ -219,9 +242,12 @@ void check_positions_range(const ConstTensorView& p, int64_t cache_rows) {
            to_string(value) + " at index " + at + "]");
     }
     for (int i = p.rank - 1; i >= 0; --i) {
-      offset += p.strides[i];
-      if (++idx[i] < p.shape[i]) break;
-      offset -= p.strides[i] * p.shape[i];
+      if (p.shape[i] <= 1) continue;  // any stride is allowed on a size-1 axis: never step it
+      if (++idx[i] < p.shape[i]) {
+        offset += p.strides[i];
+        break;
+      }
+      offset -= p.strides[i] * (p.shape[i] - 1);
       idx[i] = 0;
     }
   }
@@ -261,6 +287,10 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   // Tables.
   const ConstTensorView& cos = tables.cos;
   const ConstTensorView& sin = tables.sin;
+  if (tables.width != TableWidth::full && tables.width != TableWidth::halves &&
+      tables.width != TableWidth::pairs)
+    fail(Status::invalid_argument, "tables.width", "full, halves or pairs",
+         "value " + to_string(int(tables.width)));
   const int64_t columns = expected_columns(rot, tables.width);
   if (tables.width != TableWidth::full && rot.rotary_dim % 2 != 0)
     fail(Status::invalid_argument, "tables.width", "full for an odd rotary_dim",
@@ -402,6 +432,13 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     plan.k = split_operand(plan, k->in, k->out.data, k->out.strides);
     plan.k.in_place = ck.in_place;
   }
+  auto outputs_clear_of_tables = [&](const TensorView& out, const std::string& name) {
+    require_disjoint(out, name, cos, "cos");
+    require_disjoint(out, name, sin, "sin");
+    if (tables.is_cache()) require_disjoint(out, name, tables.positions, "positions");
+  };
+  if (q_written && q.in.numel() > 0) outputs_clear_of_tables(q.out, "q_out");
+  if (k && k->in.numel() > 0) outputs_clear_of_tables(k->out, "k_out");
   const int64_t es = dtype_size(plan.dtype);
   plan.bytes_moved = 2 * es * (q.in.numel() + (k ? k->in.numel() : 0));
   return plan;
@@ -476,6 +513,29 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
     }
     bp.dcos = out.dcos;
     bp.dsin = out.dsin;
+  }
+  // Every output is written while inputs are still read: no output may overlap an input or
+  // another output (dx over grad exactly, in place, was checked with the forward plan).
+  const int64_t rd = rot.rotary_dim;
+  auto matrix_view = [&](float* m) {
+    TensorView v = make_view<void*>(m, DType::f32, {rd * rd});
+    if (!m) v.data = nullptr;
+    return v;
+  };
+  const TensorView da = matrix_view(out.da), db = matrix_view(out.db);
+  const std::pair<TensorView, const char*> outputs[] = {
+      {out.dx, "dx"}, {out.dcos, "dcos"}, {out.dsin, "dsin"}, {da, "da"}, {db, "db"}};
+  for (const auto& [o, name] : outputs) {
+    if (!o.data) continue;
+    if (want_x) require_disjoint(o, name, x, "x");
+    if (std::string(name) != "dx") {
+      require_disjoint(o, name, grad, "grad");
+      require_disjoint(o, name, tables.cos, "cos");
+      require_disjoint(o, name, tables.sin, "sin");
+    }
+    for (const auto& [other, other_name] : outputs)
+      if (&other != &o && other.data && std::string(other_name) < std::string(name))
+        require_disjoint(o, name, other, other_name);
   }
   bp.da = out.da;
   bp.db = out.db;

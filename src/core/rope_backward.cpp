@@ -160,6 +160,7 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
 void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTensorView& grad,
                    const ConstTensorView& x, const Gradients& out, const ExecOptions& options) {
   detail::check_environment();
+  detail::check_options(options);
   const BackwardPlan bp = detail::plan_backward(rotation, tables, grad, x, out);
   const std::int64_t rd = rotation.rotary_dim();
   const std::int64_t items = bp.forward.outer_total;

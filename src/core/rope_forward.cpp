@@ -76,6 +76,7 @@ void run_items(const ForwardJob& job, std::int64_t begin, std::int64_t end) {
 void rope_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                   const Operand* k, const ExecOptions& options) {
   detail::check_environment();
+  detail::check_options(options);
   const ForwardPlan plan = detail::plan_forward(rotation, tables, q, k);
   const std::int64_t rows = plan.q.inner.rows + (plan.has_k ? plan.k.inner.rows : 0);
   if (plan.outer_total == 0 || rows == 0) return;

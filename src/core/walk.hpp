@@ -19,6 +19,7 @@ inline void unravel(std::int64_t index, const std::int64_t* size, int count, std
 // Calls f(in_offset, out_offset) (elements) for inner rows [begin, end) in row-major order.
 template <typename F>
 void walk_rows(const InnerAxes& axes, std::int64_t begin, std::int64_t end, F&& f) {
+  if (begin >= end) return;  // also keeps unravel away from axes of size 0
   std::int64_t idx[kMaxRank] = {};
   unravel(begin, axes.size, axes.count, idx);
   std::int64_t in = 0, out = 0;

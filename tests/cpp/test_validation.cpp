@@ -308,10 +308,49 @@ TEST(Validation, HugePositionDoesNotWrap) {
 TEST(Validation, PositionsNull) {
   Call c;
   c.use_cache(DType::i64, 4);
-  c.t.positions.data = nullptr;
-  // A null positions pointer means direct tables: the [4, 8] cache is then checked as a table.
-  c.t.cos.shape[0] = c.t.sin.shape[0] = 5;
-  expect_error(c, Status::invalid_argument, "cos", {"broadcastable"});
+  c.t.positions.data = nullptr;  // a shape without data is a broken cache, not direct tables
+  expect_error(c, Status::invalid_argument, "positions", {"data pointer", "null"});
+}
+TEST(Validation, TableWidthOutsideEnum) {
+  Call c;
+  c.t.width = static_cast<TableWidth>(7);
+  expect_error(c, Status::invalid_argument, "tables.width", {"full, halves or pairs", "7"});
+}
+TEST(Validation, OutputOverlapsPositions) {
+  // Writing q_out over the positions would change rows still to be gathered.
+  Call c;
+  c.use_cache(DType::i32, 4);
+  TestTensor& pos = c.tables.positions;
+  c.out_view.data = pos.storage.data();
+  c.out_view.dtype = DType::bf16;
+  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from positions"});
+}
+TEST(Validation, OutputOverlapsTables) {
+  Call c;
+  c.out_view.data = c.tables.cos.storage.data();
+  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from cos"});
+}
+TEST(Validation, MinimumStride) {
+  Call c;
+  c.x_view.strides[0] = INT64_MIN;
+  expect_error(c, Status::out_of_range, "q", {"strides"});
+}
+TEST(Validation, HugeStrideOnSizeOnePositionsAxis) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  c.t.positions.strides[1] = INT64_MAX;  // axis of size 1: never stepped, any stride allowed
+  EXPECT_NO_THROW(c.run());
+}
+TEST(Validation, ThreadCountOption) {
+  Call c;
+  const auto before = c.out.storage;
+  try {
+    rope_forward(c.rotation, c.t, Operand{c.x_view, c.out_view}, nullptr, ExecOptions{1 << 20});
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "options.num_threads");
+  }
+  EXPECT_EQ(before, c.out.storage);
 }
 TEST(Validation, ColumnAxisSize) {
   Call c;
@@ -402,6 +441,39 @@ TEST(Validation, BackwardXShape) {
   x.shape[0] = 1;
   EXPECT_THROW(rope_backward(c.rotation, c.t, c.x_view, x, g), Error);
   EXPECT_EQ(before, dx.storage);
+}
+TEST(Validation, BackwardOutputsMustNotOverlapInputs) {
+  Call c;
+  TestTensor dcos = TestTensor::make(DType::f32, {4, 8});
+  Gradients g;
+  g.dx = c.x.view();  // dx over x: x is still read for dcos
+  g.dcos = dcos.view();
+  try {
+    rope_backward(c.rotation, c.t, c.out.cview(), c.x_view, g);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "dx");
+  }
+  Gradients same;
+  same.dcos = same.dsin = dcos.view();
+  try {
+    rope_backward(c.rotation, c.t, c.x_view, c.x_view, same);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "dsin");
+    EXPECT_NE(std::string(e.what()).find("disjoint from dcos"), std::string::npos);
+  }
+}
+TEST(Validation, BackwardOfEmptyTensor) {
+  Call c;
+  TestTensor g = TestTensor::make(DType::bf16, {0, 4, 8}),
+             dx = TestTensor::make(DType::bf16, {0, 4, 8});
+  TestTensor dcos = TestTensor::make(DType::f32, {4, 8});
+  Gradients out;
+  out.dx = dx.view();
+  out.dcos = dcos.view();
+  EXPECT_NO_THROW(rope_backward(c.rotation, c.t, g.cview(), g.cview(), out));
+  for (std::int64_t e = 0; e < dcos.numel(); ++e) EXPECT_EQ(dcos.get(dcos.unravel(e)), 0.0);
 }
 TEST(Validation, BackwardTableGradientShape) {
   Call c;
