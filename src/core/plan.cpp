@@ -183,7 +183,7 @@ void check_tensor(const std::string& name, const ConstTensorView& v, int64_t hea
     fail(Status::invalid_argument, name,
          "a last axis of " + to_string(head_dim) + " (the rotation's head_dim)", shape_string(v));
   if (n > 0 && v.data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
-  if (head_dim > 1 && v.strides[v.rank - 1] != 1)
+  if (head_dim > 1 && n > 0 && v.strides[v.rank - 1] != 1)  // an empty view has no layout
     fail(Status::invalid_argument, name, "a contiguous last axis (stride 1)",
          "stride " + to_string(v.strides[v.rank - 1]));
   check_strides(name, v);

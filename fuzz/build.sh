@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# Builds the libFuzzer target fuzz-build/fuzz_rope (clang++-14, ASan + UBSan) from the library
+# sources, mirroring the top-level CMakeLists.txt: one set of flags per kernel ISA directory, and
+# ROME_HAVE_<ISA> for src/core/dispatch.cpp for each kernel directory that has sources.
+#
+#   fuzz/build.sh                 build (incremental: objects are rebuilt when a source is newer)
+#   fuzz/build.sh run SECONDS     build, then fuzz for SECONDS (new inputs go to fuzz-build/corpus;
+#                                 fuzz/corpus is only read), print executions and corpus size
+#   fuzz/build.sh corpus          rebuild fuzz/corpus with fuzz/make_corpus.cpp
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+out="$root/fuzz-build"
+mkdir -p "$out/obj"
+CXX="${CXX:-clang++-14}"
+common=(-std=c++20 -gline-tables-only -O1 -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address,undefined
+        -fno-sanitize-recover=undefined -I"$root/include" -I"$root/src")
+# SIMD kernels: ASan (and coverage) without UBSan, which makes clang take many minutes on the
+# intrinsics-heavy AVX-512 file; UBSan still covers the core and the scalar kernel.
+simd=(-std=c++20 -gline-tables-only -O1 -fno-omit-frame-pointer -fsanitize=fuzzer-no-link,address
+      -I"$root/include" -I"$root/src")
+# The harness (model, references, comparisons) is checked by ASan/UBSan but not coverage
+# instrumented: coverage guidance comes from the library, and the harness runs 3x faster.
+harness=(-std=c++20 -g -O2 -fno-omit-frame-pointer -fsanitize=address,undefined
+         -fno-sanitize-recover=undefined -I"$root/include" -I"$root/src")
+avx2=(-mavx2 -mfma -mf16c -mbmi2)
+avx512=("${avx2[@]}" -mavx512f -mavx512bw -mavx512vl -mavx512dq)
+amx=("${avx512[@]}" -mavx512bf16 -mamx-tile -mamx-bf16)
+
+objects=()
+defines=()
+compile() {  # source, extra flags...
+  local src="$1"; shift
+  local flags=("${common[@]}")
+  if [[ "${1:-}" == --harness ]]; then flags=("${harness[@]}"); shift; fi
+  if [[ "${1:-}" == --simd ]]; then flags=("${simd[@]}"); shift; fi
+  local obj="$out/obj/$(echo "${src#$root/}" | tr '/' '_').o"
+  # Rebuild when the source or any header under include/ src/ is newer than the object.
+  if [[ ! -f "$obj" || "$src" -nt "$obj" || "$root/fuzz/build.sh" -nt "$obj" ]] || [[ -n "$(find "$root/include" "$root/src" -name '*.hpp' -newer "$obj" -print -quit)" ]]; then
+    echo "  CXX $src"
+    "$CXX" "${flags[@]}" "$@" -c "$src" -o "$obj"
+  fi
+  objects+=("$obj")
+}
+
+for isa in scalar avx2 avx512 amx; do
+  shopt -s nullglob
+  srcs=("$root"/src/kernels/$isa/*.cpp)
+  shopt -u nullglob
+  [[ ${#srcs[@]} -eq 0 ]] && continue
+  case $isa in
+    scalar) flags=() ;;
+    avx2) flags=(--simd "${avx2[@]}") ;;
+    avx512) flags=(--simd "${avx512[@]}") ;;
+    amx) flags=(--simd "${amx[@]}") ;;
+  esac
+  for s in "${srcs[@]}"; do compile "$s" "${flags[@]}"; done
+  defines+=("-DROME_HAVE_${isa^^}")
+done
+# The core depends on which kernel libraries exist: rebuild it when that set changes.
+stamp="$out/obj/defines.txt"
+if [[ ! -f "$stamp" || "$(cat "$stamp")" != "${defines[*]}" ]]; then
+  rm -f "$out"/obj/src_core_*.o
+  echo "${defines[*]}" > "$stamp"
+fi
+for s in "$root"/src/core/*.cpp; do compile "$s" "${defines[@]}"; done
+compile "$root/fuzz/fuzz_rope.cpp" --harness
+"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_rope"
+echo "built $out/fuzz_rope (kernels: scalar ${defines[*]})"
+
+case "${1:-}" in
+  run)
+    seconds="${2:-60}"
+    mkdir -p "$out/corpus"
+    log="$out/fuzz-$(date +%Y%m%d-%H%M%S).log"
+    echo "fuzzing for ${seconds}s (ROME_FUZZ_SKIP='${ROME_FUZZ_SKIP:-}'), log $log"
+    set +e
+    ( cd "$out" && ROME_FUZZ_STATS=1 ./fuzz_rope -max_total_time="$seconds" -max_len=4096 \
+        -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "$out/corpus" "$root/fuzz/corpus" ) > "$log" 2>&1
+    status=$?
+    set -e
+    if [[ $status -ne 0 ]]; then
+      grep -v '^#[0-9]' "$log" | tail -n 80
+      echo "fuzz: FAILED (exit $status); the input is in $out/crash-* (rerun: $out/fuzz_rope FILE)"
+    else
+      grep -E '^ +[0-9]+  ' "$log" | sort -rn | head -n 40  # errors raised, by status and argument
+    fi
+    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
+    echo "fuzz: $execs executions in ${seconds}s; corpus fuzz-build/corpus $(ls "$out/corpus" | wc -l) files ($(cat "$out"/corpus/* 2>/dev/null | wc -c) bytes), fuzz/corpus $(ls "$root/fuzz/corpus" | wc -l) files ($(cat "$root"/fuzz/corpus/* | wc -c) bytes)"
+    exit $status ;;
+  corpus)
+    "$CXX" -std=c++20 -O1 "$root/fuzz/make_corpus.cpp" -o "$out/make_corpus"
+    rm -rf "$root/fuzz/corpus" && mkdir -p "$root/fuzz/corpus"
+    "$out/make_corpus" "$root/fuzz/corpus"
+    echo "fuzz/corpus: $(ls "$root/fuzz/corpus" | wc -l) files, $(cat "$root"/fuzz/corpus/* | wc -c) bytes" ;;
+esac
