@@ -1,0 +1,347 @@
+// rome_timer: times one RoME call from C++ (no PyTorch) and a plain copy of the same bytes, in
+// the same process, on the same threads. Used by `python -m rome.bench` for its "RoME (C++)"
+// column; handy on its own too.
+//
+//   rome_timer --rotation half --blocks 44,44,40 --q 1,24,28800,128 --dtype bf16 \
+//              --threads 2 --repeats 20
+//   rome_timer --rotation half --q 1,32,4096,128 --k 1,8,4096,128 --cache 8192 --dtype bf16
+//
+// Options (all but --q optional):
+//   --rotation half|interleave|quarter|interleave_half   (default half)
+//   --blocks a,b,c      block-diagonal rotation of that kind (sizes sum to the head size)
+//   --q B,N,S,D         q, BNSD (any rank 2..5; S is the second-to-last axis, D the last)
+//   --k B,N,S,D         optional second operand (GQA: fewer heads), rotated in the same call
+//   --cache P           tables are a [P, D] cache gathered by int64 positions P-S .. P-1
+//                       (default: direct tables [S, D], broadcast over the leading axes)
+//   --dtype bf16|f16|f32          x's dtype (default bf16)
+//   --table-dtype f32|bf16|f16    table dtype (default f32)
+//   --threads N         threads for RoME and for the copy (default: RoME's default)
+//   --repeats R         timed samples (default 20); --warmup W (default 3)
+//   --inner K           calls per sample (default: auto, so a sample lasts >= 1 ms)
+//   --in-place          rotate q/k in place instead of writing separate outputs
+//   --isa NAME          cap the ISA (scalar|avx2|avx512|amx)
+//
+// Output: one JSON object on stdout; times are seconds per call. The copy ("floor") reads x (and
+// k) and writes the output buffers with memcpy, and reads every table byte the call reads, split
+// into `threads` contiguous pieces on RoME's own thread pool. Samples of RoME and of the copy
+// alternate, so background load affects both alike.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "core/convert.hpp"
+#include "core/thread_pool.hpp"
+#include "rome/rome.hpp"
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+using rome::DType;
+
+struct Buffer {
+  void* data = nullptr;
+  std::size_t bytes = 0;
+  explicit Buffer(std::size_t n) : bytes(n) {
+    const std::size_t rounded = std::max<std::size_t>(4096, (n + 4095) / 4096 * 4096);
+    data = std::aligned_alloc(4096, rounded);
+    if (!data) throw std::runtime_error("out of memory");
+    std::memset(data, 0, rounded);  // touch every page before timing
+  }
+  ~Buffer() { std::free(data); }
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  char* bytes_ptr() const { return static_cast<char*>(data); }
+};
+
+std::vector<std::int64_t> parse_ints(const std::string& s) {
+  std::vector<std::int64_t> out;
+  std::size_t at = 0;
+  while (at < s.size()) {
+    std::size_t end = s.find_first_of(",x", at);
+    if (end == std::string::npos) end = s.size();
+    out.push_back(std::stoll(s.substr(at, end - at)));
+    at = end + 1;
+  }
+  return out;
+}
+
+DType parse_dtype(const std::string& s) {
+  if (s == "bf16" || s == "bfloat16") return DType::bf16;
+  if (s == "f16" || s == "fp16" || s == "float16") return DType::f16;
+  if (s == "f32" || s == "fp32" || s == "float32") return DType::f32;
+  throw std::invalid_argument("unknown dtype '" + s + "' (bf16, f16, f32)");
+}
+
+rome::Isa parse_isa(const std::string& s) {
+  if (s == "scalar") return rome::Isa::scalar;
+  if (s == "avx2") return rome::Isa::avx2;
+  if (s == "avx512") return rome::Isa::avx512;
+  if (s == "amx") return rome::Isa::amx;
+  throw std::invalid_argument("unknown isa '" + s + "'");
+}
+
+rome::Rotation make_rotation(const std::string& kind, std::int64_t dim) {
+  if (kind == "half") return rome::Rotation::half(dim);
+  if (kind == "interleave") return rome::Rotation::interleave(dim);
+  if (kind == "quarter") return rome::Rotation::quarter(dim);
+  if (kind == "interleave_half") return rome::Rotation::interleave_half(dim);
+  throw std::invalid_argument("unknown rotation '" + kind + "'");
+}
+
+template <typename Pointer>
+rome::BasicView<Pointer> view_of(Pointer data, DType dtype, const std::vector<std::int64_t>& shape) {
+  rome::BasicView<Pointer> v;
+  v.data = data;
+  v.dtype = dtype;
+  v.rank = static_cast<int>(shape.size());
+  std::int64_t stride = 1;
+  for (int d = v.rank - 1; d >= 0; --d) {
+    v.shape[d] = shape[d];
+    v.strides[d] = stride;
+    stride *= shape[d];
+  }
+  return v;
+}
+
+std::int64_t product(const std::vector<std::int64_t>& v) {
+  std::int64_t n = 1;
+  for (auto s : v) n *= s;
+  return n;
+}
+
+void fill_values(void* p, DType dtype, std::int64_t n, std::uint32_t seed) {
+  std::uint32_t s = seed;
+  for (std::int64_t i = 0; i < n; ++i) {
+    s = s * 1664525u + 1013904223u;
+    const float v = float(std::int32_t(s >> 8) - (1 << 23)) * (1.0f / float(1 << 22));
+    rome::detail::store_any(p, dtype, i, v == 0.0f ? 0.5f : v);
+  }
+}
+
+// The copy floor: memcpy spans (dst != nullptr) and read-only spans, cut into equal pieces.
+struct Span {
+  const char* src;
+  char* dst;
+  std::size_t bytes;
+};
+std::uint64_t g_sink = 0;
+
+void copy_piece(const std::vector<Span>& spans, std::size_t begin, std::size_t end) {
+  std::uint64_t acc = 0;
+  std::size_t at = 0;
+  for (const Span& s : spans) {
+    const std::size_t lo = std::max(begin, at), hi = std::min(end, at + s.bytes);
+    if (lo < hi) {
+      const char* src = s.src + (lo - at);
+      if (s.dst) {
+        std::memcpy(s.dst + (lo - at), src, hi - lo);
+      } else {
+        const auto* w = reinterpret_cast<const std::uint64_t*>(src);
+        std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+        const std::size_t words = (hi - lo) / 8;
+        std::size_t i = 0;
+        for (; i + 4 <= words; i += 4) a0 ^= w[i], a1 ^= w[i + 1], a2 ^= w[i + 2], a3 ^= w[i + 3];
+        for (; i < words; ++i) a0 ^= w[i];
+        acc ^= a0 ^ a1 ^ a2 ^ a3;
+      }
+    }
+    at += s.bytes;
+  }
+  __atomic_fetch_xor(&g_sink, acc, __ATOMIC_RELAXED);
+}
+
+void run_copy(const std::vector<Span>& spans, std::size_t total, int threads) {
+  const std::int64_t pieces = std::max(1, threads);
+  if (pieces == 1) return copy_piece(spans, 0, total);
+  rome::detail::parallel_for(pieces, int(pieces), [&](std::int64_t b, std::int64_t e) {
+    for (std::int64_t p = b; p < e; ++p) {
+      const std::size_t lo = total * std::size_t(p) / std::size_t(pieces) / 64 * 64;
+      const std::size_t hi =
+          p + 1 == pieces ? total : total * std::size_t(p + 1) / std::size_t(pieces) / 64 * 64;
+      copy_piece(spans, lo, hi);
+    }
+  });
+}
+
+double seconds(const std::function<void()>& f, int inner) {
+  const auto t0 = Clock::now();
+  for (int i = 0; i < inner; ++i) f();
+  return std::chrono::duration<double>(Clock::now() - t0).count() / inner;
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  const std::size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+std::string shape_json(const std::vector<std::int64_t>& s) {
+  std::string out = "[";
+  for (std::size_t i = 0; i < s.size(); ++i) out += (i ? ", " : "") + std::to_string(s[i]);
+  return out + "]";
+}
+
+int usage(const char* why) {
+  std::fprintf(stderr,
+               "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
+               "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
+               "[--repeats R] [--warmup W] [--inner K] [--in-place] [--isa NAME]\n",
+               why);
+  return 2;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  std::string rotation_kind = "half", isa_name;
+  std::vector<std::int64_t> q_shape, k_shape, blocks;
+  std::int64_t cache = 0;
+  DType dtype = DType::bf16, table_dtype = DType::f32;
+  int threads = 0, repeats = 20, warmup = 3, inner = 0;
+  bool in_place = false;
+  try {
+    for (int i = 1; i < argc; ++i) {
+      const std::string a = argv[i];
+      auto value = [&]() -> std::string {
+        if (i + 1 >= argc) throw std::invalid_argument("missing value after " + a);
+        return argv[++i];
+      };
+      if (a == "--rotation" || a == "--variant") rotation_kind = value();
+      else if (a == "--blocks") blocks = parse_ints(value());
+      else if (a == "--q" || a == "--shape") q_shape = parse_ints(value());
+      else if (a == "--k") k_shape = parse_ints(value());
+      else if (a == "--cache") cache = std::stoll(value());
+      else if (a == "--dtype") dtype = parse_dtype(value());
+      else if (a == "--table-dtype") table_dtype = parse_dtype(value());
+      else if (a == "--threads") threads = std::stoi(value());
+      else if (a == "--repeats") repeats = std::stoi(value());
+      else if (a == "--warmup") warmup = std::stoi(value());
+      else if (a == "--inner") inner = std::stoi(value());
+      else if (a == "--in-place") in_place = true;
+      else if (a == "--isa") isa_name = value();
+      else if (a == "-h" || a == "--help") return usage("help"), 0;
+      else throw std::invalid_argument("unknown option " + a);
+    }
+  } catch (const std::exception& e) {
+    return usage(e.what());
+  }
+  if (q_shape.size() < 2 || q_shape.size() > 5) return usage("--q needs 2 to 5 sizes");
+  if (!k_shape.empty() && k_shape.size() != q_shape.size())
+    return usage("--k needs as many sizes as --q");
+  repeats = std::max(1, repeats);
+  if (threads <= 0) threads = rome::default_num_threads();
+
+  try {
+    if (!isa_name.empty()) rome::set_max_isa(parse_isa(isa_name));
+    const std::int64_t dim = q_shape.back();
+    const std::int64_t seq = q_shape[q_shape.size() - 2];
+    rome::Rotation rotation = make_rotation(rotation_kind, dim);
+    if (!blocks.empty()) {
+      std::vector<rome::Rotation> parts;
+      for (auto b : blocks) parts.push_back(make_rotation(rotation_kind, b));
+      rotation = rome::Rotation::block_diag(parts);
+    }
+    const std::int64_t rd = rotation.rotary_dim();
+
+    // Operands.
+    const int es = rome::dtype_size(dtype);
+    const std::int64_t q_elems = product(q_shape), k_elems = k_shape.empty() ? 0 : product(k_shape);
+    Buffer q(std::size_t(q_elems) * es), q_out(in_place ? 0 : std::size_t(q_elems) * es);
+    Buffer k(std::size_t(k_elems) * es), k_out(in_place ? 0 : std::size_t(k_elems) * es);
+    fill_values(q.data, dtype, q_elems, 1);
+    if (k_elems) fill_values(k.data, dtype, k_elems, 2);
+
+    // Tables: direct [S, rd] or a cache [P, rd] with positions P-S .. P-1.
+    const std::int64_t rows = cache > 0 ? cache : seq;
+    if (cache > 0 && cache < seq) throw std::invalid_argument("--cache must be >= S");
+    const int ts = rome::dtype_size(table_dtype);
+    Buffer cos_t(std::size_t(rows * rd) * ts), sin_t(std::size_t(rows * rd) * ts);
+    for (std::int64_t r = 0; r < rows; ++r)
+      for (std::int64_t j = 0; j < rd; ++j) {
+        const double inv = std::pow(10000.0, -2.0 * double(j % (rd / 2)) / double(rd));
+        rome::detail::store_any(cos_t.data, table_dtype, r * rd + j, float(std::cos(double(r) * inv)));
+        rome::detail::store_any(sin_t.data, table_dtype, r * rd + j, float(std::sin(double(r) * inv)));
+      }
+    std::vector<std::int64_t> positions(std::size_t(cache > 0 ? seq : 0));
+    for (std::int64_t s = 0; s < std::int64_t(positions.size()); ++s) positions[s] = cache - seq + s;
+
+    rome::Tables tables;
+    tables.cos = view_of<const void*>(cos_t.data, table_dtype, {rows, rd});
+    tables.sin = view_of<const void*>(sin_t.data, table_dtype, {rows, rd});
+    if (cache > 0) {
+      std::vector<std::int64_t> pshape(q_shape.size() - 1, 1);
+      pshape.back() = seq;
+      tables.positions = view_of<const void*>(positions.data(), DType::i64, pshape);
+    }
+
+    auto qv = view_of<void*>(q.data, dtype, q_shape);
+    auto qo = in_place ? qv : view_of<void*>(q_out.data, dtype, q_shape);
+    const rome::Operand q_op{rome::as_const(qv), qo};
+    rome::Operand k_op;
+    if (k_elems) {
+      auto kv = view_of<void*>(k.data, dtype, k_shape);
+      auto ko = in_place ? kv : view_of<void*>(k_out.data, dtype, k_shape);
+      k_op = {rome::as_const(kv), ko};
+    }
+    const rome::ExecOptions options{threads};
+    auto rope = [&] { rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options); };
+
+    // The same bytes: x (and k) copied to the outputs (or onto themselves in place: a copy to
+    // the output buffer is the same traffic), the table bytes the call reads, the positions.
+    const std::size_t table_bytes = std::size_t(seq * rd) * ts;  // rows actually read
+    const std::size_t table_offset = std::size_t(rows - seq) * rd * ts;
+    Buffer copy_q(in_place ? std::size_t(q_elems) * es : 0), copy_k(in_place ? std::size_t(k_elems) * es : 0);
+    std::vector<Span> spans = {
+        {q.bytes_ptr(), in_place ? copy_q.bytes_ptr() : q_out.bytes_ptr(), std::size_t(q_elems) * es}};
+    if (k_elems)
+      spans.push_back({k.bytes_ptr(), in_place ? copy_k.bytes_ptr() : k_out.bytes_ptr(),
+                       std::size_t(k_elems) * es});
+    spans.push_back({cos_t.bytes_ptr() + table_offset, nullptr, table_bytes});
+    spans.push_back({sin_t.bytes_ptr() + table_offset, nullptr, table_bytes});
+    if (!positions.empty())
+      spans.push_back({reinterpret_cast<const char*>(positions.data()), nullptr, positions.size() * 8});
+    std::size_t total = 0;
+    for (const Span& s : spans) total += s.bytes;
+    // Like RoME, the copy only splits work worth splitting (>= 256 KiB per thread): waking a
+    // second thread for a decode-sized copy costs more than the copy.
+    const int copy_threads =
+        int(std::clamp<std::size_t>(total / (std::size_t(256) << 10), 1, std::size_t(threads)));
+    auto copy = [&] { run_copy(spans, total, copy_threads); };
+
+    for (int i = 0; i < std::max(1, warmup); ++i) rope(), copy();
+    if (inner <= 0) {
+      const double once = std::min(seconds(rope, 1), seconds(copy, 1));
+      inner = std::clamp(int(std::ceil(1e-3 / std::max(once, 1e-9))), 1, 100000);
+    }
+    std::vector<double> t_rope, t_copy;
+    for (int r = 0; r < repeats; ++r) {
+      t_rope.push_back(seconds(rope, inner));
+      t_copy.push_back(seconds(copy, inner));
+    }
+    const double bytes = double(total + std::size_t(q_elems + k_elems) * es);  // reads + writes
+    std::printf(
+        "{\"rotation\": \"%s\", \"blocks\": %s, \"q\": %s, \"k\": %s, \"cache\": %lld, "
+        "\"dtype\": \"%s\", \"table_dtype\": \"%s\", \"in_place\": %s, \"threads\": %d, "
+        "\"copy_threads\": %d, \"isa\": \"%s\", \"repeats\": %d, \"inner\": %d, \"bytes\": %.0f, "
+        "\"rome_median_s\": %.9g, \"rome_min_s\": %.9g, \"copy_median_s\": %.9g, "
+        "\"copy_min_s\": %.9g, \"ratio_to_copy\": %.4f}\n",
+        rotation_kind.c_str(), shape_json(blocks).c_str(), shape_json(q_shape).c_str(),
+        shape_json(k_shape).c_str(), static_cast<long long>(cache), rome::dtype_name(dtype),
+        rome::dtype_name(table_dtype), in_place ? "true" : "false", threads, copy_threads,
+        rome::isa_name(rome::active_isa()), repeats, inner, bytes, median(t_rope),
+        *std::min_element(t_rope.begin(), t_rope.end()), median(t_copy),
+        *std::min_element(t_copy.begin(), t_copy.end()), median(t_rope) / median(t_copy));
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "rome_timer: %s\n", e.what());
+    return 1;
+  }
+  return 0;
+}

@@ -1,0 +1,7 @@
+"""``python -m rome.bench``: the main RoME benchmark (see ``--help``)."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

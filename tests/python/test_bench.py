@@ -1,0 +1,112 @@
+"""End to end: `python -m rome.bench --quick` runs, writes md/csv/json/png, and every method's
+precision is within its dtype's bound (RoME's within the fp32 matrix reference rounded to bf16).
+
+The benchmark runs once per session in a subprocess (its threads and allocator settings must not
+leak into this process); conftest.py runs tests once per ISA, so the checks run on the highest
+ISA only.
+"""
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import conftest
+import rome
+from rome.bench import report, rows
+
+ROWS = rows.ROW_KEYS
+
+
+def _only_once(isa):
+    if conftest.ISAS_UNDER_TEST and isa != conftest.ISAS_UNDER_TEST[-1]:
+        pytest.skip("the benchmark subprocess uses the highest ISA; checked once")
+
+
+def _env():
+    """This process's environment, with the directory `rome` was imported from first on the path
+    (the subprocess must run the same package, installed or not)."""
+    env = dict(os.environ)
+    python_dir = str(Path(rome.__file__).resolve().parent.parent)
+    env["PYTHONPATH"] = python_dir + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+@pytest.fixture(scope="session")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    env = _env()
+    proc = subprocess.run(
+        [sys.executable, "-m", "rome.bench", "--quick", "--out", str(out)],
+        capture_output=True, text=True, timeout=900, env=env,
+    )
+    assert proc.returncode == 0, f"stdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    return out, proc
+
+
+def test_files_written(quick_run, isa):
+    _only_once(isa)
+    out, proc = quick_run
+    for ext in ("md", "csv", "json", "png"):
+        path = out / f"bench.{ext}"
+        assert path.is_file() and path.stat().st_size > 0, f"missing {path}"
+    assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "bench.png").stat().st_size > 20_000  # a real chart, not an empty canvas
+    md = (out / "bench.md").read_text()
+    assert "| row |" in md and "RoME" in md and "bench.png" in md
+    with open(out / "bench.csv") as f:
+        lines = list(csv.DictReader(f))
+    assert {r["row"] for r in lines} == set(ROWS)
+    assert {r["method"] for r in lines} >= {"small", "matrix", "rome", "floor"}
+
+
+def test_terminal_output(quick_run, isa):
+    _only_once(isa)
+    _, proc = quick_run
+    assert "RoME benchmark" in proc.stdout
+    assert "CPU:" in proc.stdout and "threads:" in proc.stdout and "torch" in proc.stdout
+    assert "Targets" in proc.stdout and "Precision" in proc.stdout
+    assert proc.stderr.count("[") >= len(ROWS)  # progress lines
+
+
+def test_every_cell_timed_or_explained(quick_run, isa):
+    _only_once(isa)
+    out, _ = quick_run
+    results = json.loads((out / "bench.json").read_text())
+    assert [r["row"] for r in results["rows"]] == ROWS
+    assert results["machine"]["isa"] == rome.active_isa() or results["machine"]["isa"] in rome.ISAS
+    for r in results["rows"]:
+        for key in report.TIME_COLUMNS:
+            entry = r["methods"].get(key)
+            assert entry is not None, (r["row"], key)
+            assert entry.get("na") or entry.get("median_s", 0) > 0, (r["row"], key, entry)
+        # These always run.
+        for key in ("small", "matrix", "rome", "rome_inplace", "floor"):
+            assert r["methods"][key].get("median_s", 0) > 0, (r["row"], key, r["methods"][key])
+
+
+def test_precision_within_bounds(quick_run, isa):
+    _only_once(isa)
+    out, _ = quick_run
+    results = json.loads((out / "bench.json").read_text())
+    for r in results["rows"]:
+        for key, entry in r["methods"].items():
+            err = entry.get("error")
+            if err is None:
+                continue
+            assert err["max_min_abs_rel"] <= entry["error_bound"], (r["row"], key, err, entry["error_bound"])
+        d = r["derived"]
+        assert d["precision_ok"], (r["row"], d["rome_error"], d["fp32_reference_error"])
+        # The fp32 reference rounded to bf16 is itself within half a bf16 epsilon.
+        assert r["fp32_reference_error"]["max_min_abs_rel"] <= 2.0 ** -8 * 1.0001
+
+
+def test_unknown_row_rejected(tmp_path, isa):
+    _only_once(isa)
+    proc = subprocess.run([sys.executable, "-m", "rome.bench", "--rows", "nope", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=120, env=_env())
+    assert proc.returncode == 2 and "unknown rows" in proc.stderr
