@@ -188,9 +188,11 @@ TEST(Validation, KOutputOverlapsQ) {
 TEST(Validation, QOutputOverlapsK) {
   Call c;
   c.with_k = true;
+  // q_out is exactly k's memory (same shape and strides): k is read while q_out is written.
   c.out_view.data = const_cast<void*>(c.k_view.data);
   c.out_view.shape[1] = 1;
   c.x_view.shape[1] = 1;
+  for (int i = 0; i < 4; ++i) c.out_view.strides[i] = c.k_view.strides[i];
   expect_error(c, Status::invalid_argument, "q_out", {"disjoint from k"});
 }
 TEST(Validation, KSizeDiffersWhereTablesVary) {
