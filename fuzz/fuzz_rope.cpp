@@ -138,8 +138,8 @@ struct Case {
   std::vector<float> A, B;                 // rd × rd
   TableWidth width = TableWidth::full;
   int width_raw = 0;
-  bool cache = false;  // positions are passed (a null positions pointer means direct tables)
-  bool gather() const { return cache && !t[POS].null_data; }
+  bool cache = false;  // positions are passed: a cache, even with a null pointer (then an error if it has elements)
+  bool gather() const { return cache; }
   std::vector<int> column_axis;
   int num_threads = 0;
   TensorDesc t[NSLOTS];
