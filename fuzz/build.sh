@@ -6,6 +6,10 @@
 #   fuzz/build.sh                 build (incremental: objects are rebuilt when a source is newer)
 #   fuzz/build.sh run SECONDS     build, then fuzz for SECONDS (new inputs go to fuzz-build/corpus;
 #                                 fuzz/corpus is only read), print executions and corpus size
+#   fuzz/build.sh smoke           build, then a reproducible run for make test: a fresh corpus from
+#                                 fuzz/corpus, a fixed seed and a fixed number of inputs
+#                                 (FUZZ_SEED, FUZZ_RUNS; capped at 120 s), so CI and a developer's
+#                                 machine fuzz the same inputs
 #   fuzz/build.sh corpus          rebuild fuzz/corpus with fuzz/make_corpus.cpp
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
@@ -68,14 +72,23 @@ compile "$root/fuzz/fuzz_rope.cpp" --harness
 echo "built $out/fuzz_rope (kernels: scalar ${defines[*]})"
 
 case "${1:-}" in
-  run)
-    seconds="${2:-60}"
-    mkdir -p "$out/corpus"
+  run|smoke)
+    if [[ "$1" == smoke ]]; then
+      seconds=120
+      corpus="$out/smoke-corpus"
+      rm -rf "$corpus"
+      limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_RUNS:-30000}")
+    else
+      seconds="${2:-60}"
+      corpus="$out/corpus"
+      limits=()
+    fi
+    mkdir -p "$corpus"
     log="$out/fuzz-$(date +%Y%m%d-%H%M%S).log"
-    echo "fuzzing for ${seconds}s (ROME_FUZZ_SKIP='${ROME_FUZZ_SKIP:-}'), log $log"
+    echo "fuzzing $1 for at most ${seconds}s ${limits[*]} (ROME_FUZZ_SKIP='${ROME_FUZZ_SKIP:-}'), log $log"
     set +e
     ( cd "$out" && ROME_FUZZ_STATS=1 ./fuzz_rope -max_total_time="$seconds" -max_len=4096 \
-        -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "$out/corpus" "$root/fuzz/corpus" ) > "$log" 2>&1
+        -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "${limits[@]}" "$corpus" "$root/fuzz/corpus" ) > "$log" 2>&1
     status=$?
     set -e
     if [[ $status -ne 0 ]]; then
@@ -85,11 +98,11 @@ case "${1:-}" in
       grep -E '^ +[0-9]+  ' "$log" | sort -rn | head -n 40  # errors raised, by status and argument
     fi
     execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
-    echo "fuzz: $execs executions in ${seconds}s; corpus fuzz-build/corpus $(ls "$out/corpus" | wc -l) files ($(cat "$out"/corpus/* 2>/dev/null | wc -c) bytes), fuzz/corpus $(ls "$root/fuzz/corpus" | wc -l) files ($(cat "$root"/fuzz/corpus/* | wc -c) bytes)"
+    echo "fuzz: $execs executions; corpus ${corpus#$root/} $(ls "$corpus" | wc -l) files ($(cat "$corpus"/* 2>/dev/null | wc -c) bytes), fuzz/corpus $(ls "$root/fuzz/corpus" | wc -l) files ($(cat "$root"/fuzz/corpus/* | wc -c) bytes)"
     exit $status ;;
   corpus)
     "$CXX" -std=c++20 -O1 "$root/fuzz/make_corpus.cpp" -o "$out/make_corpus"
-    rm -rf "$root/fuzz/corpus" && mkdir -p "$root/fuzz/corpus"
+    mkdir -p "$root/fuzz/corpus" && rm -f "$root"/fuzz/corpus/seed-*  # keep regression-* inputs
     "$out/make_corpus" "$root/fuzz/corpus"
     echo "fuzz/corpus: $(ls "$root/fuzz/corpus" | wc -l) files, $(cat "$root"/fuzz/corpus/* | wc -c) bytes" ;;
 esac

@@ -3,10 +3,11 @@
 // The input is decoded byte by byte (a zero byte, or the end of the input, always picks the
 // plainest option) into one call: a rotation (half, interleave, quarter, interleave_half,
 // block_diag, partial, dense, dense signed permutation), x of rank 2..5 in any float dtype (or a
-// wrong one), strided views (contiguous, padded, permuted, negative, zero, overlapping, overflowing,
-// misaligned), direct tables with any broadcast shape or a cache with positions (i32/i64,
-// multi-axis with column_axis), every table width, in place / out of place / partially overlapping
-// outputs, q and k sharing memory, and for backward every combination of dx, dcos, dsin, dA, dB.
+// wrong one), strided views (contiguous, padded, permuted, negative, zero, overlapping,
+// overflowing, misaligned), direct tables with any broadcast shape or a cache with positions
+// (i32/i64, multi-axis with column_axis), every table width, in place / out of place / partially
+// overlapping outputs, q and k sharing memory, and for backward every combination of dx, dcos,
+// dsin, dA, dB.
 //
 // Every tensor lives in an arena of exactly the bytes its view may touch (allocated with
 // std::vector, so ASan knows the exact edge); an arena may be shared to alias views. A view the
@@ -25,9 +26,9 @@
 //
 // Environment: ROME_FUZZ_SKIP=feature,... turns off generators of known bugs so fuzzing can go on
 // (features: alias_dx_x, alias_tables, alias_positions, alias_dcos_dsin, alias_da_db, bad_enum,
-// huge_min, huge_size1, zero_backward; ROME_FUZZ_SKIP=alias skips every alias_*); ROME_FUZZ_STATS=1 prints at exit how often
-// each error (status, argument) was raised; ROME_FUZZ_STRICT=1 (or =TEXT: only messages holding
-// TEXT) also fails when a call the model thinks valid is rejected.
+// huge_min, huge_size1, zero_backward; ROME_FUZZ_SKIP=alias skips every alias_*); ROME_FUZZ_STATS=1
+// prints at exit how often each error (status, argument) was raised; ROME_FUZZ_STRICT=1 (or =TEXT:
+// only messages holding TEXT) also fails when a call the model thinks valid is rejected.
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -114,8 +115,8 @@ struct TensorDesc {
   i64 offset = 0;  // bytes from the arena start (after placement)
   i64 front = 0;   // misalignment bytes in front of the lowest element
   DType dtype = DType::f32;
-  int rank = 0;           // the real rank of shape/strides (1..5)
-  int view_rank = 0;      // what the view reports (may be a bad rank)
+  int rank = 0;       // the real rank of shape/strides (1..5)
+  int view_rank = 0;  // what the view reports (may be a bad rank)
   i64 shape[kMaxRank] = {}, strides[kMaxRank] = {};
   bool null_data = false;
   bool allocatable = true;
@@ -135,10 +136,11 @@ struct Case {
   std::optional<Rotation> rot;
   i64 hd = 0, rd = 0;
   bool perm = true, a_identity = true;
-  std::vector<float> A, B;                 // rd × rd
+  std::vector<float> A, B;  // rd × rd
   TableWidth width = TableWidth::full;
   int width_raw = 0;
-  bool cache = false;  // positions are passed: a cache, even with a null pointer (then an error if it has elements)
+  bool cache = false;  // positions are passed: a cache, even with a null pointer (then an error if
+                       // it has elements)
   bool gather() const { return cache; }
   std::vector<int> column_axis;
   int num_threads = 0;
@@ -187,7 +189,8 @@ const Case* g_case = nullptr;
 i128 reach_of(const TensorDesc& d) {  // as plan.cpp's check_strides counts it
   i128 r = 0;
   for (int i = 0; i < d.rank; ++i)
-    if (d.shape[i] > 1) r += (d.strides[i] < 0 ? -i128(d.strides[i]) : i128(d.strides[i])) * (d.shape[i] - 1);
+    if (d.shape[i] > 1)
+      r += (d.strides[i] < 0 ? -i128(d.strides[i]) : i128(d.strides[i])) * (d.shape[i] - 1);
   return r;
 }
 
@@ -258,7 +261,8 @@ bool overlaps(const Case& c, const TensorDesc& a, const TensorDesc& b) {
 }
 
 bool exact_in_place(const TensorDesc& in, const TensorDesc& out) {
-  if (in.arena != out.arena || in.offset != out.offset || in.null_data || out.null_data) return false;
+  if (in.arena != out.arena || in.offset != out.offset || in.null_data || out.null_data)
+    return false;
   for (int i = 0; i < in.rank; ++i)
     if (in.shape[i] > 1 && in.strides[i] != out.strides[i]) return false;
   return true;
@@ -340,9 +344,13 @@ Rotation build_rotation(Reader& R, Rng& rng, std::string& log, int depth) {
           blocks.push_back(Rotation::quarter(d));
         } else {
           const i64 d = 2 * (1 + R.below(12));
-          log += (k == 0 ? "half(" : k == 1 ? "interleave(" : "interleave_half(") + std::to_string(d) + ")";
-          blocks.push_back(k == 0 ? Rotation::half(d) : k == 1 ? Rotation::interleave(d)
-                                                                : Rotation::interleave_half(d));
+          log += (k == 0   ? "half("
+                  : k == 1 ? "interleave("
+                           : "interleave_half(") +
+                 std::to_string(d) + ")";
+          blocks.push_back(k == 0   ? Rotation::half(d)
+                           : k == 1 ? Rotation::interleave(d)
+                                    : Rotation::interleave_half(d));
         }
         if (R.rare(6)) {
           log += ".partial";
@@ -365,7 +373,8 @@ Rotation build_rotation(Reader& R, Rng& rng, std::string& log, int depth) {
       i64 d = 1 + R.below(24);
       if (R.rare(4)) d = R.below(2) ? 0 : -1;
       const bool bad = R.rare(4);
-      log += std::string(kind == 6 ? "dense_b(" : "dense_ab(") + std::to_string(d) + (bad ? ", non-finite" : "") + ")";
+      log += std::string(kind == 6 ? "dense_b(" : "dense_ab(") + std::to_string(d) +
+             (bad ? ", non-finite" : "") + ")";
       if (d <= 0) return Rotation::dense(std::vector<float>{}, d);
       std::vector<float> b = random_matrix(rng, d, bad);
       if (kind == 6) return Rotation::dense(b, d);
@@ -377,9 +386,14 @@ Rotation build_rotation(Reader& R, Rng& rng, std::string& log, int depth) {
       const i64 d = 1 + R.below(32);
       const int amode = R.below(3);
       const bool a_empty = amode == 2;
-      log += "dense_perm(" + std::to_string(d) + (amode == 0 ? ", A=I" : a_empty ? ", A with empty columns" : ", A=perm") + ")";
+      log += "dense_perm(" + std::to_string(d) +
+             (amode == 0 ? ", A=I"
+              : a_empty  ? ", A with empty columns"
+                         : ", A=perm") +
+             ")";
       std::vector<float> b = signed_permutation(rng, d, 20);
-      std::vector<float> a = amode == 0 ? signed_permutation(rng, d, 0) : signed_permutation(rng, d, a_empty ? 25 : 0);
+      std::vector<float> a =
+          amode == 0 ? signed_permutation(rng, d, 0) : signed_permutation(rng, d, a_empty ? 25 : 0);
       if (amode == 0) {
         std::fill(a.begin(), a.end(), 0.0f);
         for (i64 i = 0; i < d; ++i) a[i * d + i] = 1.0f;
@@ -408,7 +422,10 @@ void make_layout(Reader& R, TensorDesc& d, bool xlike) {
     stride *= std::max<i64>(d.shape[a], 1);
     if (p == r - 1) stride += pad;
   }
-  auto axis = [&](bool nonlast) { const int n = nonlast ? r - 1 : r; return n > 0 ? R.below(n) : -1; };
+  auto axis = [&](bool nonlast) {
+    const int n = nonlast ? r - 1 : r;
+    return n > 0 ? R.below(n) : -1;
+  };
   switch (mode) {
     case 10:
     case 11: {
@@ -429,8 +446,9 @@ void make_layout(Reader& R, TensorDesc& d, bool xlike) {
     }
     case 15:
       if (R.below(2)) {
-        static const i64 huge[] = {(i64(1) << 60) + 1, i64(1) << 61, i64(1) << 62, INT64_MAX,
-                                   INT64_MIN, -(i64(1) << 62), -INT64_MAX, (i64(1) << 59) + 7};
+        static const i64 huge[] = {(i64(1) << 60) + 1, i64(1) << 61,      i64(1) << 62,
+                                   INT64_MAX,          INT64_MIN,         -(i64(1) << 62),
+                                   -INT64_MAX,         (i64(1) << 59) + 7};
         const int a = axis(false);
         const i64 v = huge[R.below(8)];
         if (a >= 0 && (v != INT64_MIN || enabled("huge_min")) &&
@@ -470,7 +488,9 @@ void alias_of(TensorDesc& d, const TensorDesc& src, const char* name, bool outpu
   d.output = output;
 }
 
-int new_arena(Case& c) { return c.arenas++; }
+int new_arena(Case& c) {
+  return c.arenas++;
+}
 
 // An output of shape `in`'s, separate or overlapping `in`'s memory in one of several ways.
 void make_output(Reader& R, Case& c, TensorDesc& out, const TensorDesc& in, const char* name,
@@ -511,11 +531,31 @@ void fill_values(Case& c, World& w, Rng& rng, const TensorDesc& d, bool specials
       v = sp[rng.below(8)];
     }
     switch (d.dtype) {
-      case DType::f32: { const float f = float(v); std::memcpy(p, &f, 4); break; }
-      case DType::bf16: { const auto h = detail::float_to_bf16(float(v)); std::memcpy(p, &h, 2); break; }
-      case DType::f16: { const auto h = detail::float_to_fp16(float(v)); std::memcpy(p, &h, 2); break; }
-      case DType::i32: { const auto i = std::int32_t(rng.next()); std::memcpy(p, &i, 4); break; }
-      case DType::i64: { const auto i = std::int64_t(rng.next()); std::memcpy(p, &i, 8); break; }
+      case DType::f32: {
+        const float f = float(v);
+        std::memcpy(p, &f, 4);
+        break;
+      }
+      case DType::bf16: {
+        const auto h = detail::float_to_bf16(float(v));
+        std::memcpy(p, &h, 2);
+        break;
+      }
+      case DType::f16: {
+        const auto h = detail::float_to_fp16(float(v));
+        std::memcpy(p, &h, 2);
+        break;
+      }
+      case DType::i32: {
+        const auto i = std::int32_t(rng.next());
+        std::memcpy(p, &i, 4);
+        break;
+      }
+      case DType::i64: {
+        const auto i = std::int64_t(rng.next());
+        std::memcpy(p, &i, 8);
+        break;
+      }
     }
   });
 }
@@ -599,7 +639,8 @@ bool generate(Reader& R, Case& c, World& w) {
     k.arena = q.arena;
     // (an unallocatable layout keeps k at q's start: the library must reject it anyway)
     const i128 delta = i128(shape[h]) * phys.strides[h] * q.es();
-    k.delta = phys.allocatable && delta > -kMaxArenaBytes && delta < kMaxArenaBytes ? i64(delta) : 0;
+    k.delta =
+        phys.allocatable && delta > -kMaxArenaBytes && delta < kMaxArenaBytes ? i64(delta) : 0;
     if (kmode == 3) {  // both in place
       alias_of(c.t[Q_OUT], q, "q_out", true);
       alias_of(c.t[K_OUT], k, "k_out", true);
@@ -755,7 +796,8 @@ bool generate(Reader& R, Case& c, World& w) {
       c.column_axis.resize(columns > 0 ? columns : 0);
       const int cmode = R.below(3);
       for (i64 j = 0; j < i64(c.column_axis.size()); ++j)
-        c.column_axis[j] = cmode == 0 ? int(rng.below(n_axes)) : int(j * n_axes / std::max<i64>(1, columns));
+        c.column_axis[j] =
+            cmode == 0 ? int(rng.below(n_axes)) : int(j * n_axes / std::max<i64>(1, columns));
       if (R.rare(8) && !c.column_axis.empty())
         c.column_axis[rng.below(i64(c.column_axis.size()))] = R.below(2) ? -1 : int(n_axes);
       if (R.rare(8)) c.column_axis.push_back(0);
@@ -822,8 +864,9 @@ bool generate(Reader& R, Case& c, World& w) {
   if (pos.used && !pos.null_data && pos.allocatable) {
     const i64 P = std::max<i64>(cos.shape[0], 0);
     const bool bad = R.rare(24);
-    static const i64 bad_values[] = {-1, 0, 1, INT32_MAX, INT32_MIN, i64(1) << 31, i64(1) << 32,
-                                     INT64_MAX, INT64_MIN, (i64(1) << 32) + 1};
+    static const i64 bad_values[] = {
+        -1,           0,         1,         INT32_MAX,         INT32_MIN, i64(1) << 31,
+        i64(1) << 32, INT64_MAX, INT64_MIN, (i64(1) << 32) + 1};
     const i64 bad_value = bad_values[R.below(10)];
     const i64 n = pos.numel(), at = rng.below(n);
     i64 e = 0;
@@ -832,10 +875,18 @@ bool generate(Reader& R, Case& c, World& w) {
       if (bad && e == at) v = bad_value == 0 ? P : bad_value == 1 ? P + 1 : bad_value;
       ++e;
       std::uint8_t* p = w[pos.arena].data() + elem_offset(pos, idx);
-      if (pos.dtype == DType::i32) { const auto v32 = std::int32_t(v); std::memcpy(p, &v32, 4); }
-      else if (pos.dtype == DType::i64) std::memcpy(p, &v, 8);
-      else if (pos.dtype == DType::f32) { const float f = float(v); std::memcpy(p, &f, 4); }
-      else { const auto h = detail::float_to_bf16(float(v)); std::memcpy(p, &h, 2); }
+      if (pos.dtype == DType::i32) {
+        const auto v32 = std::int32_t(v);
+        std::memcpy(p, &v32, 4);
+      } else if (pos.dtype == DType::i64)
+        std::memcpy(p, &v, 8);
+      else if (pos.dtype == DType::f32) {
+        const float f = float(v);
+        std::memcpy(p, &f, 4);
+      } else {
+        const auto h = detail::float_to_bf16(float(v));
+        std::memcpy(p, &h, 2);
+      }
     });
   }
   return true;
@@ -849,6 +900,11 @@ struct Model {
   void add(const std::string& arg, const std::string& why) { reasons.push_back(arg + ": " + why); }
 };
 
+// Arenas come from operator new (16-byte aligned), so a view's alignment is its byte offset's.
+bool misaligned(const TensorDesc& d) {
+  return !d.null_data && d.numel() > 0 && d.es() > 1 && d.offset % d.es() != 0;
+}
+
 void check_xlike(Model& m, const TensorDesc& d, i64 hd) {
   if (d.view_rank < 2 || d.view_rank > kMaxRank) return m.add(d.name, "rank");
   for (int i = 0; i < d.rank; ++i)
@@ -856,7 +912,8 @@ void check_xlike(Model& m, const TensorDesc& d, i64 hd) {
   if (!is_floating(d.dtype)) m.add(d.name, "dtype");
   if (d.shape[d.rank - 1] != hd) m.add(d.name, "head size");
   if (d.numel() > 0 && d.null_data) m.add(d.name, "null");
-  if (hd > 1 && d.strides[d.rank - 1] != 1) m.add(d.name, "last stride");
+  if (misaligned(d)) m.add(d.name, "misaligned");
+  if (hd > 1 && d.numel() > 0 && d.strides[d.rank - 1] != 1) m.add(d.name, "last stride");
   if (reach_of(d) > kMaxReach) m.add(d.name, "extent overflows");
 }
 
@@ -878,6 +935,7 @@ bool check_table(Model& m, const TensorDesc& t, i64 columns) {
   if (!is_floating(t.dtype)) m.add(t.name, "dtype");
   if (t.shape[t.rank - 1] != columns) m.add(t.name, "width");
   if (t.numel() > 0 && t.null_data) m.add(t.name, "null");
+  if (misaligned(t)) m.add(t.name, "misaligned");
   return true;
 }
 
@@ -940,8 +998,10 @@ Model model(const Case& c, const World& w) {
         if (cos.shape[i] != 1) varies[axes - (cos.rank - 1) + i] = true;
   } else {
     const TensorDesc& p = c.t[POS];
-    if (cos.rank != 2) m.add("cos", "cache rank");
-    else if (cos.shape[0] < 1) m.add("cos", "empty cache");
+    if (cos.rank != 2)
+      m.add("cos", "cache rank");
+    else if (cos.shape[0] < 1)
+      m.add("cos", "empty cache");
     if (p.dtype != DType::i32 && p.dtype != DType::i64) m.add("positions", "dtype");
     const bool multi = !c.column_axis.empty();
     if (p.view_rank != axes + (multi ? 1 : 0)) m.add("positions", "rank");
@@ -949,6 +1009,7 @@ Model model(const Case& c, const World& w) {
     for (int i = 0; i < p.rank; ++i)
       if (p.shape[i] < 0) m.add("positions", "negative size");
     if (reach_of(p) > kMaxReach) m.add("positions", "extent overflows");
+    if (misaligned(p)) m.add("positions", "misaligned");
     broadcast(p, axes);
     if (multi) {
       const i64 n_axes = p.shape[p.rank - 1];
@@ -984,8 +1045,11 @@ Model model(const Case& c, const World& w) {
         if (!std::equal(cos.shape, cos.shape + cos.rank, d.shape)) m.add(d.name, "shape");
         if (!is_floating(d.dtype)) m.add(d.name, "dtype");
         if (reach_of(d) > kMaxReach) m.add(d.name, "extent overflows");
+        if (misaligned(d)) m.add(d.name, "misaligned");
         if (m.reasons.empty() && !distinct(d)) m.add(d.name, "repeated elements");
       }
+    for (int s : {DA, DB})
+      if (c.t[s].used && c.t[s].offset % 4 != 0) m.add(c.t[s].name, "misaligned");
   }
   return m;
 }
@@ -1043,7 +1107,8 @@ Outcome call(const Case& c, World& w, int threads) {
     o.status = e.status();
     o.argument = e.argument();
     o.message = e.what();
-    if (o.message.rfind("rome: ", 0) != 0) bug("rome::Error message without the 'rome: ' prefix: " + o.message);
+    if (o.message.rfind("rome: ", 0) != 0)
+      bug("rome::Error message without the 'rome: ' prefix: " + o.message);
   } catch (const std::exception& e) {
     bug(std::string("exception other than rome::Error: ") + e.what());
   } catch (...) {
@@ -1057,23 +1122,45 @@ Outcome call(const Case& c, World& w, int threads) {
 
 float load_f(DType dt, const std::uint8_t* p) {
   switch (dt) {
-    case DType::f32: { float f; std::memcpy(&f, p, 4); return f; }
-    case DType::bf16: { std::uint16_t h; std::memcpy(&h, p, 2); return detail::bf16_to_float(h); }
-    case DType::f16: { std::uint16_t h; std::memcpy(&h, p, 2); return detail::fp16_to_float(h); }
+    case DType::f32: {
+      float f;
+      std::memcpy(&f, p, 4);
+      return f;
+    }
+    case DType::bf16: {
+      std::uint16_t h;
+      std::memcpy(&h, p, 2);
+      return detail::bf16_to_float(h);
+    }
+    case DType::f16: {
+      std::uint16_t h;
+      std::memcpy(&h, p, 2);
+      return detail::fp16_to_float(h);
+    }
     default: return 0.0f;
   }
 }
 void store_f(DType dt, std::uint8_t* p, float v) {
   switch (dt) {
     case DType::f32: std::memcpy(p, &v, 4); break;
-    case DType::bf16: { const auto h = detail::float_to_bf16(v); std::memcpy(p, &h, 2); break; }
-    case DType::f16: { const auto h = detail::float_to_fp16(v); std::memcpy(p, &h, 2); break; }
+    case DType::bf16: {
+      const auto h = detail::float_to_bf16(v);
+      std::memcpy(p, &h, 2);
+      break;
+    }
+    case DType::f16: {
+      const auto h = detail::float_to_fp16(v);
+      std::memcpy(p, &h, 2);
+      break;
+    }
     default: break;
   }
 }
 
 i64 column_of(const Case& c, i64 lane, i64 columns) {
-  return c.width == TableWidth::full ? lane : c.width == TableWidth::halves ? lane % columns : lane / 2;
+  return c.width == TableWidth::full     ? lane
+         : c.width == TableWidth::halves ? lane % columns
+                                         : lane / 2;
 }
 
 // C and S for the x row at idx (x's indices without the head axis).
@@ -1151,7 +1238,8 @@ void forward_reference(const Case& c, const World& w0, World& expect, int in_slo
     std::copy(idx, idx + axes, full);
     for (i64 j = 0; j < hd; ++j) {
       full[axes] = j;
-      std::memcpy(expect[out.arena].data() + elem_offset(out, full), y.data() + (r * hd + j) * es, es);
+      std::memcpy(expect[out.arena].data() + elem_offset(out, full), y.data() + (r * hd + j) * es,
+                  es);
     }
     ++r;
   });
@@ -1181,7 +1269,8 @@ void backward_reference(const Case& c, const World& w0, BackwardRef& out) {
   // Every table gradient element is written (zero when no row reaches it).
   for (int s : {DCOS, DSIN})
     if (c.t[s].used)
-      for_each_index(c.t[s].rank, c.t[s].shape, [&](const i64* idx) { at(s, elem_offset(c.t[s], idx)); });
+      for_each_index(c.t[s].rank, c.t[s].shape,
+                     [&](const i64* idx) { at(s, elem_offset(c.t[s], idx)); });
   for (int s : {DA, DB})
     if (c.t[s].used)
       for (i64 e = 0; e < rd * rd; ++e) at(s, c.t[s].offset + 4 * e);
@@ -1207,7 +1296,8 @@ void backward_reference(const Case& c, const World& w0, BackwardRef& out) {
         for (i64 j = 0; j < rd; ++j) {
           const double t = double(u[j]) * c.A[i * rd + j] + double(v[j]) * c.B[i * rd + j];
           a.ref += t;
-          a.mag += std::fabs(double(u[j]) * c.A[i * rd + j]) + std::fabs(double(v[j]) * c.B[i * rd + j]);
+          a.mag +=
+              std::fabs(double(u[j]) * c.A[i * rd + j]) + std::fabs(double(v[j]) * c.B[i * rd + j]);
         }
       }
     }
@@ -1245,7 +1335,8 @@ void backward_reference(const Case& c, const World& w0, BackwardRef& out) {
 bool close_enough(DType dt, float got, const Approx& a) {
   if (std::isnan(got)) return false;
   const double ulp = dt == DType::f32 ? 0x1p-23 : dt == DType::bf16 ? 0x1p-7 : 0x1p-10;
-  if (dt == DType::f16 && std::fabs(a.ref) > 65000.0) return std::isinf(got) || std::fabs(got) > 60000.0;
+  if (dt == DType::f16 && std::fabs(a.ref) > 65000.0)
+    return std::isinf(got) || std::fabs(got) > 60000.0;
   const double tol = a.mag * 1e-5 + std::fabs(a.ref) * ulp + (dt == DType::f16 ? 0x1p-24 : 1e-37);
   return std::fabs(double(got) - a.ref) <= tol;
 }
@@ -1266,7 +1357,8 @@ std::string where(const Case& c, int arena, i64 byte, const World* got = nullptr
         found += "]";
         if (got && want && is_floating(d.dtype)) {
           char buf[96];
-          std::snprintf(buf, sizeof buf, " = %.9g (want %.9g)", load_f(d.dtype, (*got)[arena].data() + o),
+          std::snprintf(buf, sizeof buf, " = %.9g (want %.9g)",
+                        load_f(d.dtype, (*got)[arena].data() + o),
                         load_f(d.dtype, (*want)[arena].data() + o));
           found += buf;
         }
@@ -1274,7 +1366,8 @@ std::string where(const Case& c, int arena, i64 byte, const World* got = nullptr
     });
     if (!found.empty()) return found;
   }
-  return "arena " + std::to_string(arena) + " byte " + std::to_string(byte) + " (no element: padding)";
+  return "arena " + std::to_string(arena) + " byte " + std::to_string(byte) +
+         " (no element: padding)";
 }
 
 void compare_worlds(const Case& c, const World& got, const World& want, const char* what) {
@@ -1303,7 +1396,8 @@ void check_backward(const Case& c, const World& w0, const World& got) {
       const float value = load_f(d.dtype, got[d.arena].data() + byte);
       if (!close_enough(d.dtype, value, approx)) {
         char buf[160];
-        std::snprintf(buf, sizeof buf, ": got %.9g, want %.9g (magnitude %.3g)", value, approx.ref, approx.mag);
+        std::snprintf(buf, sizeof buf, ": got %.9g, want %.9g (magnitude %.3g)", value, approx.ref,
+                      approx.mag);
         bug(std::string("backward ") + where(c, d.arena, byte) + buf);
       }
       for (int k = 0; k < d.es(); ++k) covered[d.arena][byte + k] = 1;
@@ -1364,7 +1458,10 @@ void run_one(const std::uint8_t* data, std::size_t size) {
     World expect = w0;
     forward_reference(c, w0, expect, Q_IN, Q_OUT);
     if (c.op == 1) forward_reference(c, w0, expect, K_IN, K_OUT);
-    compare_worlds(c, w1, expect, (std::string("forward on ") + isa_name(active_isa()) + " differs from the reference").c_str());
+    compare_worlds(
+        c, w1, expect,
+        (std::string("forward on ") + isa_name(active_isa()) + " differs from the reference")
+            .c_str());
     // The same call on the scalar kernels (and another thread count) gives the same bytes.
     World w2 = w0;
     const Isa fast = active_isa();
@@ -1378,7 +1475,8 @@ void run_one(const std::uint8_t* data, std::size_t size) {
     for (const auto& d : c.t)
       if (d.used && !d.output && is_floating(d.dtype) && !d.null_data && d.allocatable)
         for_each_index(d.rank, d.shape, [&](const i64* idx) {
-          if (!std::isfinite(load_f(d.dtype, w0[d.arena].data() + elem_offset(d, idx)))) finite = false;
+          if (!std::isfinite(load_f(d.dtype, w0[d.arena].data() + elem_offset(d, idx))))
+            finite = false;
         });
     if (finite) check_backward(c, w0, w1);
     World w2 = w0;

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <climits>
+#include <cstdint>
+#include <cstdio>
 #include <limits>
 #include <string>
 
@@ -167,6 +169,21 @@ bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_siz
   return ahi > delta + blo && delta + bhi > alo;
 }
 
+// Kernels and the scalar path load elements through typed pointers: an address that is not a
+// multiple of the element size is undefined behaviour (and a split load on some CPUs).
+void check_aligned(const std::string& name, const void* data, DType dtype) {
+  const int es = dtype_size(dtype);
+  const auto address = reinterpret_cast<std::uintptr_t>(data);
+  if (es > 1 && address % es != 0) {
+    char hex[32];
+    std::snprintf(hex, sizeof hex, "%#llx", static_cast<unsigned long long>(address));
+    fail(Status::invalid_argument, name,
+         "a data pointer aligned to " + to_string(es) + " bytes (" + dtype_name(dtype) +
+             " elements)",
+         std::string("address ") + hex);
+  }
+}
+
 struct CheckedOperand {
   bool in_place = false;
 };
@@ -183,6 +200,7 @@ void check_tensor(const std::string& name, const ConstTensorView& v, int64_t hea
     fail(Status::invalid_argument, name,
          "a last axis of " + to_string(head_dim) + " (the rotation's head_dim)", shape_string(v));
   if (n > 0 && v.data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
+  if (n > 0) check_aligned(name, v.data, v.dtype);
   if (head_dim > 1 && n > 0 && v.strides[v.rank - 1] != 1)  // an empty view has no layout
     fail(Status::invalid_argument, name, "a contiguous last axis (stride 1)",
          "stride " + to_string(v.strides[v.rank - 1]));
@@ -311,6 +329,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
            shape_string(*t));
     if (t->numel() > 0 && t->data == nullptr)
       fail(Status::invalid_argument, name, "a data pointer", "null");
+    if (t->numel() > 0) check_aligned(name, t->data, t->dtype);
   }
   if (cos.rank != sin.rank || !std::equal(cos.shape, cos.shape + cos.rank, sin.shape))
     fail(Status::invalid_argument, "sin", "the shape of cos " + shape_string(cos),
@@ -396,6 +415,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     }
     if (p.numel() > 0 && p.data == nullptr)
       fail(Status::invalid_argument, "positions", "a data pointer", "null");
+    if (p.numel() > 0) check_aligned("positions", p.data, p.dtype);
     for (int i = 0; i < axes; ++i) {
       if (p.shape[i] != 1) varies[i] = true;
       pos_stride[i] = p.strides[i];
@@ -499,6 +519,7 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
         fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
              dtype_name(d->dtype));
       check_strides(name, *d);
+      if (d->numel() > 0) check_aligned(name, d->data, d->dtype);
       if (!has_distinct_elements(*d))
         fail(Status::invalid_argument, name, "strides that give every element its own address",
              "strides " + dims_string(d->strides, d->rank));
@@ -523,6 +544,8 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
     return v;
   };
   const TensorView da = matrix_view(out.da), db = matrix_view(out.db);
+  if (out.da) check_aligned("da", out.da, DType::f32);
+  if (out.db) check_aligned("db", out.db, DType::f32);
   const std::pair<TensorView, const char*> outputs[] = {
       {out.dx, "dx"}, {out.dcos, "dcos"}, {out.dsin, "dsin"}, {da, "da"}, {db, "db"}};
   for (const auto& [o, name] : outputs) {

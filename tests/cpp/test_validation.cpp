@@ -124,6 +124,35 @@ TEST(Validation, NullData) {
   c.x_view.data = nullptr;
   expect_error(c, Status::invalid_argument, "q", {"data pointer", "null"});
 }
+// A pointer one byte past an element boundary (x is bf16: 2-byte elements). The storage is
+// copied one byte along so the view still covers valid memory and ASan sees real reads.
+TEST(Validation, MisalignedData) {
+  Call c;
+  std::vector<unsigned char> bytes(c.x.storage.size() + 1);
+  c.x_view.data = bytes.data() + 1;
+  expect_error(c, Status::invalid_argument, "q", {"aligned to 2 bytes", "bfloat16", "address 0x"});
+}
+TEST(Validation, MisalignedOutput) {
+  Call c;
+  std::vector<unsigned char> bytes(c.out.storage.size() + 1);
+  c.out_view.data = bytes.data() + 1;
+  const auto before = bytes;
+  expect_error(c, Status::invalid_argument, "q_out", {"aligned to 2 bytes"});
+  EXPECT_EQ(before, bytes);
+}
+TEST(Validation, MisalignedTable) {
+  Call c;
+  std::vector<unsigned char> bytes(c.tables.sin.storage.size() + 2);
+  c.t.sin.data = bytes.data() + 2;
+  expect_error(c, Status::invalid_argument, "sin", {"aligned to 4 bytes", "float32"});
+}
+TEST(Validation, MisalignedPositions) {
+  Call c;
+  c.use_cache(DType::i64, 4);
+  std::vector<unsigned char> bytes(c.tables.positions.storage.size() + 4);
+  c.t.positions.data = bytes.data() + 4;  // int64 at a 4-byte boundary
+  expect_error(c, Status::invalid_argument, "positions", {"aligned to 8 bytes", "int64"});
+}
 TEST(Validation, NonContiguousHeadAxis) {
   Call c;
   c.x_view.strides[3] = 2;
@@ -465,6 +494,21 @@ TEST(Validation, BackwardOutputsMustNotOverlapInputs) {
     EXPECT_EQ(e.argument(), "dsin");
     EXPECT_NE(std::string(e.what()).find("disjoint from dcos"), std::string::npos);
   }
+}
+TEST(Validation, BackwardMisalignedMatrixGradient) {
+  Call c;
+  c.rotation = Rotation::dense(std::vector<float>(64, 0.5f), 8);
+  std::vector<float> storage(65, -1.0f);
+  Gradients g;
+  g.db = reinterpret_cast<float*>(reinterpret_cast<char*>(storage.data()) + 2);
+  try {
+    rope_backward(c.rotation, c.t, c.x_view, c.x_view, g);
+    ADD_FAILURE();
+  } catch (const Error& e) {
+    EXPECT_EQ(e.argument(), "db");
+    EXPECT_NE(std::string(e.what()).find("aligned to 4 bytes"), std::string::npos) << e.what();
+  }
+  for (float v : storage) EXPECT_EQ(v, -1.0f);
 }
 TEST(Validation, BackwardOfEmptyTensor) {
   Call c;

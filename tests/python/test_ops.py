@@ -478,6 +478,38 @@ def test_wrong_dtype(bad):
         rome.rotary_embedding(torch.zeros(S, dtype=torch.long), q[0, 0].clone(), None, D, torch.randn(8, D), True)
 
 
+def _misaligned(shape, dtype, fill):
+    """A tensor whose data pointer is one byte past an element boundary (torch.frombuffer allows it)."""
+    n = math.prod(shape)
+    size = torch.empty((), dtype=dtype).element_size()
+    buf = bytearray(n * size + 1)
+    t = torch.frombuffer(buf, dtype=dtype, offset=1, count=n).view(shape)
+    t.copy_(fill)
+    assert t.data_ptr() % size != 0
+    return t, buf
+
+
+def test_misaligned_pointers():
+    cos, sin, _ = make_tables("SD")
+    x, _buf = _misaligned((B, N, S, D), torch.float32, torch.randn(B, N, S, D))
+    before = x.clone()
+    with pytest.raises(ValueError, match=r"rome: q: expected a data pointer aligned to 4 bytes \(float32 elements\), got address 0x"):
+        rome.rope(x, None, cos, sin)
+    with pytest.raises(ValueError, match=r"rome: q: expected a data pointer aligned to 4 bytes"):
+        rome.rope_(x, None, cos, sin)
+    assert torch.equal(x, before)
+    bad_cos, _buf2 = _misaligned(tuple(cos.shape), cos.dtype, cos)
+    q = torch.randn(B, N, S, D)
+    q_before = q.clone()
+    with pytest.raises(ValueError, match=r"rome: cos: expected a data pointer aligned to 4 bytes"):
+        rome.rope_(q, None, bad_cos, sin)
+    assert torch.equal(q, q_before)
+    cache = torch.randn(64, D)
+    pos, _buf3 = _misaligned((S,), torch.int64, torch.arange(S))
+    with pytest.raises(ValueError, match=r"rome: positions: expected a data pointer aligned to 8 bytes \(int64 elements\)"):
+        rome.rotary_embedding(pos, q[0, 0].clone(), None, D, cache, True)
+
+
 def test_wrong_head_dim():
     q = torch.randn(B, N, S, D)
     before = q.clone()
