@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "baselines/small_ops.hpp"
+#include "common/random_matrices.hpp"
 #include "core/convert.hpp"
 #include "core/thread_pool.hpp"
 #include "rome/rome.hpp"
@@ -199,26 +200,6 @@ struct Case {
   bool positions = false;  // BNSD: gather from a [P, 128] cache instead of [S, rd] tables
 };
 
-// A random orthogonal n×n matrix (Gram-Schmidt on uniform columns, in double): a learned
-// rotation with no structure for the dense paths.
-std::vector<float> random_orthogonal(std::int64_t n, std::uint32_t seed) {
-  std::mt19937 rng(seed);
-  std::uniform_real_distribution<double> u(-1.0, 1.0);
-  std::vector<double> q(n * n);
-  for (auto& v : q) v = u(rng);
-  for (std::int64_t j = 0; j < n; ++j) {
-    for (std::int64_t k = 0; k < j; ++k) {
-      double dot = 0;
-      for (std::int64_t i = 0; i < n; ++i) dot += q[i * n + j] * q[i * n + k];
-      for (std::int64_t i = 0; i < n; ++i) q[i * n + j] -= dot * q[i * n + k];
-    }
-    double norm = 0;
-    for (std::int64_t i = 0; i < n; ++i) norm += q[i * n + j] * q[i * n + j];
-    for (std::int64_t i = 0; i < n; ++i) q[i * n + j] /= std::sqrt(norm);
-  }
-  return std::vector<float>(q.begin(), q.end());
-}
-
 std::vector<Case> bnsd_cases() {
   auto half_blocks = [](std::vector<std::int64_t> sizes, bool interleave) {
     return [sizes, interleave] {
@@ -242,12 +223,12 @@ std::vector<Case> bnsd_cases() {
   cases.push_back({"llm_prefill_half", Shape::llm, [] { return Rotation::half(128); }});
   cases.push_back({"llm_prefill_interleave", Shape::llm, [] { return Rotation::interleave(128); }});
   // Dense rotations (issue 6): the FMA paths here, the matrix unit where the CPU has AMX.
-  const auto dense_128 = [] { return Rotation::dense(random_orthogonal(128, 7), 128); };
+  const auto dense_128 = [] {
+    return Rotation::dense(rome::bench::random_orthogonal(128, 7), 128);
+  };
   cases.push_back({"dense_orthogonal_128", Shape::bnsd, dense_128});
   cases.push_back({"dense_blocks_44_44_40", Shape::bnsd, [] {
-                     return Rotation::block_diag({Rotation::dense(random_orthogonal(44, 1), 44),
-                                                  Rotation::dense(random_orthogonal(44, 2), 44),
-                                                  Rotation::dense(random_orthogonal(40, 3), 40)});
+                     return rome::bench::random_orthogonal_blocks({44, 44, 40});
                    }});
   cases.push_back({"llm_prefill_dense_orthogonal", Shape::llm, dense_128});
   return cases;

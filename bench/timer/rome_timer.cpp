@@ -7,8 +7,11 @@
 //   rome_timer --rotation half --q 1,32,4096,128 --k 1,8,4096,128 --cache 8192 --dtype bf16
 //
 // Options (all but --q optional):
-//   --rotation half|interleave|quarter|interleave_half   (default half)
+//   --rotation half|interleave|quarter|interleave_half|dense   (default half); dense: a random
+//                       orthogonal matrix (with --blocks: random orthogonal blocks)
 //   --blocks a,b,c      block-diagonal rotation of that kind (sizes sum to the head size)
+//   --force-dense       run the rotation through the dense (matrix) path even when it is a
+//                       signed permutation (Rotation::as_dense), to compare the two paths
 //   --q B,N,S,D         q, BNSD (any rank 2..5; S is the second-to-last axis, D the last)
 //   --k B,N,S,D         optional second operand (GQA: fewer heads), rotated in the same call
 //   --cache P           tables are a [P, D] cache gathered by int64 positions P-S .. P-1
@@ -37,7 +40,9 @@
 #include <string>
 #include <vector>
 
+#include "common/random_matrices.hpp"
 #include "core/convert.hpp"
+#include "core/rotation_data.hpp"
 #include "core/thread_pool.hpp"
 #include "rome/rome.hpp"
 
@@ -93,11 +98,13 @@ rome::Rotation make_rotation(const std::string& kind, std::int64_t dim) {
   if (kind == "interleave") return rome::Rotation::interleave(dim);
   if (kind == "quarter") return rome::Rotation::quarter(dim);
   if (kind == "interleave_half") return rome::Rotation::interleave_half(dim);
+  if (kind == "dense") return rome::Rotation::dense(rome::bench::random_orthogonal(dim, 7), dim);
   throw std::invalid_argument("unknown rotation '" + kind + "'");
 }
 
 template <typename Pointer>
-rome::BasicView<Pointer> view_of(Pointer data, DType dtype, const std::vector<std::int64_t>& shape) {
+rome::BasicView<Pointer> view_of(Pointer data, DType dtype,
+                                 const std::vector<std::int64_t>& shape) {
   rome::BasicView<Pointer> v;
   v.data = data;
   v.dtype = dtype;
@@ -193,7 +200,7 @@ int usage(const char* why) {
   std::fprintf(stderr,
                "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
                "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
-               "[--repeats R] [--warmup W] [--inner K] [--in-place] [--isa NAME]\n",
+               "[--repeats R] [--warmup W] [--inner K] [--in-place] [--force-dense] [--isa NAME]\n",
                why);
   return 2;
 }
@@ -206,7 +213,7 @@ int main(int argc, char** argv) {
   std::int64_t cache = 0;
   DType dtype = DType::bf16, table_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
-  bool in_place = false;
+  bool in_place = false, force_dense = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -214,21 +221,38 @@ int main(int argc, char** argv) {
         if (i + 1 >= argc) throw std::invalid_argument("missing value after " + a);
         return argv[++i];
       };
-      if (a == "--rotation" || a == "--variant") rotation_kind = value();
-      else if (a == "--blocks") blocks = parse_ints(value());
-      else if (a == "--q" || a == "--shape") q_shape = parse_ints(value());
-      else if (a == "--k") k_shape = parse_ints(value());
-      else if (a == "--cache") cache = std::stoll(value());
-      else if (a == "--dtype") dtype = parse_dtype(value());
-      else if (a == "--table-dtype") table_dtype = parse_dtype(value());
-      else if (a == "--threads") threads = std::stoi(value());
-      else if (a == "--repeats") repeats = std::stoi(value());
-      else if (a == "--warmup") warmup = std::stoi(value());
-      else if (a == "--inner") inner = std::stoi(value());
-      else if (a == "--in-place") in_place = true;
-      else if (a == "--isa") isa_name = value();
-      else if (a == "-h" || a == "--help") return usage("help"), 0;
-      else throw std::invalid_argument("unknown option " + a);
+      if (a == "--rotation" || a == "--variant")
+        rotation_kind = value();
+      else if (a == "--blocks")
+        blocks = parse_ints(value());
+      else if (a == "--q" || a == "--shape")
+        q_shape = parse_ints(value());
+      else if (a == "--k")
+        k_shape = parse_ints(value());
+      else if (a == "--cache")
+        cache = std::stoll(value());
+      else if (a == "--dtype")
+        dtype = parse_dtype(value());
+      else if (a == "--table-dtype")
+        table_dtype = parse_dtype(value());
+      else if (a == "--threads")
+        threads = std::stoi(value());
+      else if (a == "--repeats")
+        repeats = std::stoi(value());
+      else if (a == "--warmup")
+        warmup = std::stoi(value());
+      else if (a == "--inner")
+        inner = std::stoi(value());
+      else if (a == "--in-place")
+        in_place = true;
+      else if (a == "--force-dense")
+        force_dense = true;
+      else if (a == "--isa")
+        isa_name = value();
+      else if (a == "-h" || a == "--help")
+        return usage("help"), 0;
+      else
+        throw std::invalid_argument("unknown option " + a);
     }
   } catch (const std::exception& e) {
     return usage(e.what());
@@ -244,11 +268,14 @@ int main(int argc, char** argv) {
     const std::int64_t dim = q_shape.back();
     const std::int64_t seq = q_shape[q_shape.size() - 2];
     rome::Rotation rotation = make_rotation(rotation_kind, dim);
-    if (!blocks.empty()) {
+    if (!blocks.empty() && rotation_kind == "dense") {
+      rotation = rome::bench::random_orthogonal_blocks(blocks);
+    } else if (!blocks.empty()) {
       std::vector<rome::Rotation> parts;
       for (auto b : blocks) parts.push_back(make_rotation(rotation_kind, b));
       rotation = rome::Rotation::block_diag(parts);
     }
+    if (force_dense) rotation = rotation.as_dense();
     const std::int64_t rd = rotation.rotary_dim();
 
     // Operands.
@@ -267,11 +294,14 @@ int main(int argc, char** argv) {
     for (std::int64_t r = 0; r < rows; ++r)
       for (std::int64_t j = 0; j < rd; ++j) {
         const double inv = std::pow(10000.0, -2.0 * double(j % (rd / 2)) / double(rd));
-        rome::detail::store_any(cos_t.data, table_dtype, r * rd + j, float(std::cos(double(r) * inv)));
-        rome::detail::store_any(sin_t.data, table_dtype, r * rd + j, float(std::sin(double(r) * inv)));
+        rome::detail::store_any(cos_t.data, table_dtype, r * rd + j,
+                                float(std::cos(double(r) * inv)));
+        rome::detail::store_any(sin_t.data, table_dtype, r * rd + j,
+                                float(std::sin(double(r) * inv)));
       }
     std::vector<std::int64_t> positions(std::size_t(cache > 0 ? seq : 0));
-    for (std::int64_t s = 0; s < std::int64_t(positions.size()); ++s) positions[s] = cache - seq + s;
+    for (std::int64_t s = 0; s < std::int64_t(positions.size()); ++s)
+      positions[s] = cache - seq + s;
 
     rome::Tables tables;
     tables.cos = view_of<const void*>(cos_t.data, table_dtype, {rows, rd});
@@ -292,22 +322,26 @@ int main(int argc, char** argv) {
       k_op = {rome::as_const(kv), ko};
     }
     const rome::ExecOptions options{threads};
-    auto rope = [&] { rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options); };
+    auto rope = [&] {
+      rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options);
+    };
 
     // The same bytes: x (and k) copied to the outputs (or onto themselves in place: a copy to
     // the output buffer is the same traffic), the table bytes the call reads, the positions.
     const std::size_t table_bytes = std::size_t(seq * rd) * ts;  // rows actually read
     const std::size_t table_offset = std::size_t(rows - seq) * rd * ts;
-    Buffer copy_q(in_place ? std::size_t(q_elems) * es : 0), copy_k(in_place ? std::size_t(k_elems) * es : 0);
-    std::vector<Span> spans = {
-        {q.bytes_ptr(), in_place ? copy_q.bytes_ptr() : q_out.bytes_ptr(), std::size_t(q_elems) * es}};
+    Buffer copy_q(in_place ? std::size_t(q_elems) * es : 0),
+        copy_k(in_place ? std::size_t(k_elems) * es : 0);
+    std::vector<Span> spans = {{q.bytes_ptr(), in_place ? copy_q.bytes_ptr() : q_out.bytes_ptr(),
+                                std::size_t(q_elems) * es}};
     if (k_elems)
       spans.push_back({k.bytes_ptr(), in_place ? copy_k.bytes_ptr() : k_out.bytes_ptr(),
                        std::size_t(k_elems) * es});
     spans.push_back({cos_t.bytes_ptr() + table_offset, nullptr, table_bytes});
     spans.push_back({sin_t.bytes_ptr() + table_offset, nullptr, table_bytes});
     if (!positions.empty())
-      spans.push_back({reinterpret_cast<const char*>(positions.data()), nullptr, positions.size() * 8});
+      spans.push_back(
+          {reinterpret_cast<const char*>(positions.data()), nullptr, positions.size() * 8});
     std::size_t total = 0;
     for (const Span& s : spans) total += s.bytes;
     // Like RoME, the copy only splits work worth splitting (>= 256 KiB per thread): waking a
@@ -327,18 +361,30 @@ int main(int argc, char** argv) {
       t_copy.push_back(seconds(copy, inner));
     }
     const double bytes = double(total + std::size_t(q_elems + k_elems) * es);  // reads + writes
+    // The matrix part of a dense rotation: 2 flops per multiply-add, per row, per diagonal block
+    // (x·B, and x·A when A is not the identity). Zero on the permute path.
+    double matrix_flops = 0;
+    const auto& data = rotation.data();
+    if (rotation.kind() == rome::Rotation::Kind::dense) {
+      double per_row = 0;
+      for (const auto& b : data.dense_blocks) per_row += 2.0 * double(b.size) * double(b.size);
+      if (!data.a_identity) per_row *= 2;
+      matrix_flops = per_row * double(q_elems + k_elems) / double(dim);
+    }
     std::printf(
         "{\"rotation\": \"%s\", \"blocks\": %s, \"q\": %s, \"k\": %s, \"cache\": %lld, "
         "\"dtype\": \"%s\", \"table_dtype\": \"%s\", \"in_place\": %s, \"threads\": %d, "
         "\"copy_threads\": %d, \"isa\": \"%s\", \"repeats\": %d, \"inner\": %d, \"bytes\": %.0f, "
         "\"rome_median_s\": %.9g, \"rome_min_s\": %.9g, \"copy_median_s\": %.9g, "
-        "\"copy_min_s\": %.9g, \"ratio_to_copy\": %.4f}\n",
+        "\"copy_min_s\": %.9g, \"ratio_to_copy\": %.4f, \"path\": \"%s\", \"matrix_flops\": "
+        "%.0f}\n",
         rotation_kind.c_str(), shape_json(blocks).c_str(), shape_json(q_shape).c_str(),
         shape_json(k_shape).c_str(), static_cast<long long>(cache), rome::dtype_name(dtype),
         rome::dtype_name(table_dtype), in_place ? "true" : "false", threads, copy_threads,
         rome::isa_name(rome::active_isa()), repeats, inner, bytes, median(t_rope),
         *std::min_element(t_rope.begin(), t_rope.end()), median(t_copy),
-        *std::min_element(t_copy.begin(), t_copy.end()), median(t_rope) / median(t_copy));
+        *std::min_element(t_copy.begin(), t_copy.end()), median(t_rope) / median(t_copy),
+        rotation.kind() == rome::Rotation::Kind::dense ? "dense" : "permute", matrix_flops);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rome_timer: %s\n", e.what());
     return 1;

@@ -159,16 +159,20 @@ rome::Rotation named_rotation(const std::string& kind, int64_t dim) {
 
 }  // namespace
 
-// kind: half | interleave | quarter | interleave_half | dense. mat names are used in messages.
+// kind: half | interleave | quarter | interleave_half | dense | dense_forced (the matrices run
+// as products even when they are a signed permutation: for comparing paths). mat names are used
+// in messages.
 rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t>& blocks,
                               int64_t rotary_dim, int64_t head_dim,
                               const std::optional<Tensor>& mat_a,
                               const std::optional<Tensor>& mat_b, const std::string& mat_b_name) {
-  const bool dense = kind == "dense";
+  const bool forced = kind == "dense_forced";
+  const bool dense = kind == "dense" || forced;
   if (!dense && kind != "half" && kind != "interleave" && kind != "quarter" &&
       kind != "interleave_half")
     rome::fail(rome::Status::invalid_argument, "rotation",
-               "one of 'half', 'interleave', 'quarter', 'interleave_half', 'dense'",
+               "one of 'half', 'interleave', 'quarter', 'interleave_half', 'dense', "
+               "'dense_forced'",
                "'" + kind + "'");
   if (rotary_dim != -1 && (rotary_dim <= 0 || rotary_dim > head_dim))
     rome::fail(
@@ -181,13 +185,13 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
   std::vector<float> a, b;
   if (dense) {
     if (!has_b)
-      rome::fail(
-          rome::Status::invalid_argument, mat_b_name,
-          "a [" + std::to_string(rd) + ", " + std::to_string(rd) + "] matrix for rotation 'dense'",
-          "None");
+      rome::fail(rome::Status::invalid_argument, mat_b_name,
+                 "a [" + std::to_string(rd) + ", " + std::to_string(rd) +
+                     "] matrix for rotation '" + kind + "'",
+                 "None");
     if (!blocks.empty())
       rome::fail(rome::Status::invalid_argument, "blocks",
-                 "no blocks for rotation 'dense' (the matrix carries its structure)",
+                 "no blocks for rotation '" + kind + "' (the matrix carries its structure)",
                  std::to_string(blocks.size()) + " blocks");
     b = matrix_values(*mat_b, mat_b_name, rd);
     if (has_a) a = matrix_values(*mat_a, "mat_a", rd);
@@ -229,7 +233,10 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
         return *it->rotation;
   }
   rome::Rotation rotation = [&] {
-    if (dense) return has_a ? rome::Rotation::dense(a, b, rd) : rome::Rotation::dense(b, rd);
+    if (dense) {
+      rome::Rotation r = has_a ? rome::Rotation::dense(a, b, rd) : rome::Rotation::dense(b, rd);
+      return forced ? r.as_dense() : r;
+    }
     if (blocks.size() <= 1) return named_rotation(kind, rd);
     std::vector<rome::Rotation> parts;
     parts.reserve(blocks.size());

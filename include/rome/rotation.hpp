@@ -40,6 +40,9 @@ class Rotation {
 
   // This rotation on the first rotary_dim() lanes of a head of head_dim lanes.
   Rotation partial(std::int64_t head_dim) const;
+  // The same matrices kept dense: runs as a matrix product (AMX or FMA) even when it is a
+  // signed permutation. For benchmarks and tests that compare the two paths.
+  Rotation as_dense() const;
 
   std::int64_t head_dim() const noexcept;
   std::int64_t rotary_dim() const noexcept;
@@ -54,6 +57,9 @@ class Rotation {
 
  private:
   explicit Rotation(std::shared_ptr<const detail::RotationData> data) : data_(std::move(data)) {}
+  static std::shared_ptr<detail::RotationData> dense_rotation(std::span<const float> a,
+                                                              std::span<const float> b,
+                                                              std::int64_t dim);
   std::shared_ptr<const detail::RotationData> data_;
 };
 

@@ -90,7 +90,9 @@ def rope(
             A position outside ``[0, P)`` raises ``IndexError``.
         rotation: ``"half"`` (NeoX rotate_half), ``"interleave"`` (GPT-J), ``"quarter"``,
             ``"interleave_half"`` (DeepSeek MLA: de-interleave then rotate half; output in
-            de-interleaved order) or ``"dense"`` (``mat_b`` and optional ``mat_a``).
+            de-interleaved order) or ``"dense"`` (``mat_b`` and optional ``mat_a``; signed
+            permutations among them still take the permute path). ``"dense_forced"`` runs the
+            matrices as products even when they are signed permutations (to compare paths).
         blocks: block sizes of a block-diagonal rotation of that kind, summing to rotary_dim
             (e.g. [44, 44, 40] for 3D RoPE with half blocks). Empty: one block.
         rotary_dim: lanes rotated (-1: all of D). Smaller means partial rotary: lanes past
@@ -100,7 +102,8 @@ def rope(
             (W = rotary_dim/2, lane j reads column j // 2: GPT-J caches).
         column_axis: with positions, the axis (index into positions' last axis) each table
             column reads its position from (W entries).
-        mat_a, mat_b: [rotary_dim, rotary_dim] matrices for ``rotation="dense"``.
+        mat_a, mat_b: [rotary_dim, rotary_dim] matrices for ``rotation="dense"`` or
+            ``"dense_forced"``.
 
     Returns:
         ``(q_out, k_out)``; ``k_out`` is an empty tensor of shape [0] when ``k`` is None.

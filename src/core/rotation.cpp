@@ -304,6 +304,19 @@ Rotation Rotation::dense(std::span<const float> a, std::span<const float> b, std
   SignedPermutation pa, pb;
   if (as_signed_permutation(a, dim, pa) && as_signed_permutation(b, dim, pb))
     return Rotation(permutation_rotation(dim, std::move(pa), std::move(pb)));
+  return Rotation(dense_rotation(a, b, dim));
+}
+
+Rotation Rotation::as_dense() const {
+  const std::int64_t rd = rotary_dim();
+  const std::vector<float> a = to_dense_a(), b = to_dense_b();
+  auto d = dense_rotation(a, b, rd);
+  d->head_dim = head_dim();
+  return Rotation(std::shared_ptr<const RotationData>(std::move(d)));
+}
+
+std::shared_ptr<RotationData> Rotation::dense_rotation(std::span<const float> a,
+                                                       std::span<const float> b, std::int64_t dim) {
   auto d = std::make_shared<RotationData>();
   d->head_dim = d->rotary_dim = dim;
   d->kind = Kind::dense;
@@ -312,7 +325,7 @@ Rotation Rotation::dense(std::span<const float> a, std::span<const float> b, std
   if (!d->a_identity) d->dense_a.assign(a.begin(), a.end());
   d->dense_b.assign(b.begin(), b.end());
   d->dense_blocks = diagonal_blocks(d->a_identity ? std::span<const float>{} : a, b, dim);
-  return Rotation(std::move(d));
+  return d;
 }
 
 Rotation Rotation::block_diag(std::initializer_list<Rotation> blocks) {

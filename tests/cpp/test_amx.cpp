@@ -136,5 +136,55 @@ TEST(MatrixUnit, AgreesWithFmaPath) {
   EXPECT_TRUE(c.ok) << c.first_failure;
 }
 
+// Every signed permutation forced through the dense path (Rotation::as_dense, what the benchmark's
+// "forced dense" row runs): same matrices, kind dense; on the FMA paths every output sums one
+// ±x term and zeros, so the result equals the permute path bit for bit on every ISA; the tile
+// model is held to its derived bound (fp32 x loses bits in the bf16 hi/lo split).
+TEST(MatrixUnit, SignedPermutationsForcedThroughDensePath) {
+  const std::pair<const char*, Rotation> cases[] = {
+      {"half_128", Rotation::half(128)},
+      {"interleave_64", Rotation::interleave(64)},
+      {"quarter_64", Rotation::quarter(64)},
+      {"interleave_half_64", Rotation::interleave_half(64)},
+      {"blocks_44_44_40", Rotation::block_diag({Rotation::interleave(44), Rotation::interleave(44),
+                                                Rotation::interleave(40)})},
+      {"partial_32_of_64", Rotation::half(32).partial(64)},
+  };
+  for (const auto& [name, permute] : cases) {
+    const Rotation dense = permute.as_dense();
+    ASSERT_EQ(dense.kind(), Rotation::Kind::dense) << name;
+    ASSERT_EQ(permute.kind(), Rotation::Kind::signed_permutation) << name;
+    EXPECT_EQ(dense.head_dim(), permute.head_dim()) << name;
+    EXPECT_EQ(dense.to_dense_a(), permute.to_dense_a()) << name;
+    EXPECT_EQ(dense.to_dense_b(), permute.to_dense_b()) << name;
+    for (DType dtype : {DType::f32, DType::f16, DType::bf16}) {
+      std::mt19937_64 rng(77);
+      TestTensor x = TestTensor::make(dtype, {2, 3, 19, permute.head_dim()});
+      x.fill_random(rng, -2, 2);
+      TestTables tables;
+      tables.cos = TestTensor::make(DType::f32, {19, permute.rotary_dim()});
+      tables.sin = TestTensor::make(DType::f32, {19, permute.rotary_dim()});
+      tables.cos.fill_random(rng, -1, 1);
+      tables.sin.fill_random(rng, -1, 1);
+      for (Isa isa : isas_under_test()) {
+        ScopedIsa scoped(isa);
+        TestTensor want = TestTensor::make(dtype, x.shape), got = want;
+        rope_forward(permute, tables.view(), Operand{x.cview(), want.view()});
+        rope_forward(dense, tables.view(), Operand{x.cview(), got.view()});
+        EXPECT_EQ(want.storage, got.storage)
+            << name << " " << dtype_name(dtype) << " on " << isa_name(isa);
+      }
+      EmulatedMatrixUnit emulated;
+      if (!emulated.active()) continue;
+      TestTensor got = TestTensor::make(dtype, x.shape);
+      rope_forward(dense, tables.view(), Operand{x.cview(), got.view()});
+      const Reference ref = reference(dense, tables, x, /*matrix_unit=*/true);
+      const Comparison c = compare(got, ref.y, ref.bound);
+      EXPECT_TRUE(c.ok) << name << " " << dtype_name(dtype)
+                        << " on the tile model: " << c.first_failure;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rome::testing

@@ -84,9 +84,30 @@ def test_every_cell_timed_or_explained(quick_run, isa):
             entry = r["methods"].get(key)
             assert entry is not None, (r["row"], key)
             assert entry.get("na") or entry.get("median_s", 0) > 0, (r["row"], key, entry)
-        # These always run.
-        for key in ("small", "matrix", "rome", "rome_inplace", "floor"):
+        # These always run (a dense matrix has no small-ops form).
+        always = ("matrix", "rome", "rome_inplace", "floor") + (() if r["matrix"] == "orthogonal" else ("small",))
+        for key in always:
             assert r["methods"][key].get("median_s", 0) > 0, (r["row"], key, r["methods"][key])
+
+
+def test_matrix_path_rows(quick_run, isa):
+    """Dense rows and the forced row run RoME's matrix path, report its GFLOP/s and appear in the
+    Matrix path table; the permutation rows run the permute path."""
+    _only_once(isa)
+    out, proc = quick_run
+    results = json.loads((out / "bench.json").read_text())
+    matrix_rows = [r for r in results["rows"] if r["matrix"] != "rotate"]
+    assert {r["row"] for r in matrix_rows} == {"dense_1d", "dense_3d", "dense_llm", "forced_half_1d"}
+    for r in results["rows"]:
+        cpp = r["methods"]["rome_cpp"]
+        if "na" in cpp:
+            continue
+        assert cpp["path"] == ("permute" if r["matrix"] == "rotate" else "dense"), (r["row"], cpp)
+    for r in matrix_rows:
+        d = r["derived"]
+        assert r["matrix_flops"] > 0 and d["rome_gflops"] > 0, (r["row"], d)
+        assert r["title"] in proc.stdout
+    assert "Matrix path" in proc.stdout and "## Matrix path" in (out / "bench.md").read_text()
 
 
 def test_precision_within_bounds(quick_run, isa):

@@ -296,6 +296,34 @@ def test_rope_matrix_matches_reference(dtype, tables, matrix):
     assert torch.equal(y, out)
 
 
+@pytest.mark.parametrize("matrix", ("half", "interleave", "block3d"))
+@pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
+def test_dense_forced_matches_permute_path(dtype, matrix, isa):
+    """rotation='dense_forced' runs a signed permutation as matrix products (the benchmark's
+    comparison row): on the vector paths each output sums one ±x term, so it equals the permute
+    path bit for bit; gradients flow to q and mat_b as for 'dense'."""
+    d = 128 if matrix == "block3d" else D
+    mat = {"half": lambda: rome.matrices.half(d), "interleave": lambda: rome.matrices.interleave(d),
+           "block3d": lambda: rome.matrices.block_diag([44, 44, 40])}[matrix]()
+    x = make_x("bnsd", dtype, (B, N, S, d))
+    cos, sin, _ = make_tables("SD", torch.float32, shape=(B, N, S, d))
+    permuted = rome.rope(x, None, cos, sin, rotation="dense", mat_b=mat)[0]
+    forced = rome.rope(x, None, cos, sin, rotation="dense_forced", mat_b=mat)[0]
+    if isa == "amx":  # the tile path splits fp32 x into bf16 hi + lo: within its bound instead
+        ref, scale = reference(x, cos, sin, rotation="dense", mat_b=mat)
+        assert_rounded(forced, ref, scale, dense_dim=d)
+    else:
+        assert torch.equal(forced, permuted)
+    q = x.float().detach().requires_grad_()
+    m = mat.clone().requires_grad_()
+    rome.rope(q, None, cos, sin, rotation="dense_forced", mat_b=m)[0].sum().backward()
+    q2 = x.float().detach().requires_grad_()
+    m2 = mat.clone().requires_grad_()
+    rome.rope(q2, None, cos, sin, rotation="dense", mat_b=m2)[0].sum().backward()
+    torch.testing.assert_close(q.grad, q2.grad)
+    torch.testing.assert_close(m.grad, m2.grad)
+
+
 def test_rope_matrix_table_rank_above_x():
     x = torch.randn(S, D)
     cos, sin, _ = make_tables("11SD")

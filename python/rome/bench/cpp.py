@@ -29,7 +29,8 @@ def find_timer(explicit: Optional[str] = None) -> Optional[Path]:
 
 
 def command(timer: Path, row: Row, threads: int, repeats: int) -> list:
-    cmd = [str(timer), "--rotation", row.mode, "--q", ",".join(map(str, row.q_shape)),
+    rotation = "dense" if row.dense else row.mode
+    cmd = [str(timer), "--rotation", rotation, "--q", ",".join(map(str, row.q_shape)),
            "--dtype", "bf16", "--table-dtype", "f32", "--threads", str(threads),
            "--repeats", str(repeats), "--warmup", "2"]
     if row.multi_axis:
@@ -38,6 +39,8 @@ def command(timer: Path, row: Row, threads: int, repeats: int) -> list:
         cmd += ["--k", ",".join(map(str, row.k_shape))]
     if row.cache:
         cmd += ["--cache", str(row.cache)]
+    if row.matrix == "forced":
+        cmd += ["--force-dense"]
     return cmd
 
 

@@ -9,7 +9,7 @@ from typing import Callable, List, Tuple
 
 import torch
 
-from .rows import Inputs, block_matrix
+from .rows import Inputs, matrix64
 
 # Precision bound for the metric max(min(abs err, rel err)), per method: half an epsilon of the
 # output dtype (the final rounding, unavoidable) plus 8 epsilons of the dtype the method computes
@@ -103,7 +103,7 @@ class Reference:
         row = inp.row
         self.row = row
         cos, sin = inp.lane_tables64()  # [S, 128]
-        self.mat = block_matrix(row.mode, row.dims)
+        self.mat = matrix64(row)
         self.slices = [t[:, :1] for t in inp.operands()]
         self.refs = [x.double() * cos + (x.double() @ self.mat) * sin for x in self.slices]
         # The fp32 matrix reference rounded to bf16: the precision target for RoME.

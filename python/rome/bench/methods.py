@@ -12,7 +12,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from .rows import Inputs, rotate_matrix
+from .rows import Inputs, matrix64
 
 Outputs = Tuple[torch.Tensor, ...]
 
@@ -114,12 +114,21 @@ def _as_tuple(out) -> Outputs:
 
 
 def _combined_matrix(inp: Inputs, dtype) -> torch.Tensor:
-    row = inp.row
-    return torch.block_diag(*[rotate_matrix(row.mode, d) for d in row.dims]).to(dtype)
+    return matrix64(inp.row).to(dtype)
+
+
+def _axis_matrices(inp: Inputs, dtype) -> List[torch.Tensor]:
+    m, out, at = matrix64(inp.row), [], 0
+    for d in inp.row.dims:
+        out.append(m[at:at + d, at:at + d].to(dtype))
+        at += d
+    return out
 
 
 def build_small(inp: Inputs, compiled: bool = False) -> Prepared:
     row = inp.row
+    if row.dense:
+        raise NotApplicable("a dense matrix has no slice/cat form")
     if row.cache:
         f = small_ops_cache(row.mode)
         cos, sin = inp.tables(torch.bfloat16)
@@ -138,7 +147,7 @@ def build_axis_matrices(inp: Inputs, compiled: bool = False) -> Prepared:
     if not row.multi_axis:
         raise NotApplicable("one axis: same as the combined matrix")
     f = axis_matrices_direct(row.dims)
-    mats = [rotate_matrix(row.mode, d).to(torch.bfloat16) for d in row.dims]
+    mats = _axis_matrices(inp, torch.bfloat16)
     args = (inp.q, inp.axis_tables(torch.bfloat16), mats)
     return _finish(f, args, compiled, "x_a*cos_a + (x_a@M_a)*sin_a per axis, cat; bf16")
 
@@ -169,6 +178,11 @@ def _finish(f, args, compiled: bool, note: str) -> Prepared:
 
 def _rope_args(inp: Inputs):
     row = inp.row
+    if row.matrix_path:
+        assert not row.cache
+        cos, sin = inp.tables(torch.float32)
+        kind = "dense" if row.dense else "dense_forced"
+        return (cos, sin, None, kind, [], -1, "full", [], None, _combined_matrix(inp, torch.float32))
     blocks = list(row.dims) if row.multi_axis else []
     if row.cache:
         cos, sin = inp.tables(torch.float32)
@@ -186,7 +200,10 @@ def build_rome(inp: Inputs) -> Prepared:
         fn = lambda: (op(q, None, *args)[0],)  # noqa: E731
     else:
         fn = lambda: op(q, k, *args)  # noqa: E731
-    return Prepared(fn, "torch.ops.rome.rope, fp32 tables", dtype=torch.float32)
+    note = "torch.ops.rome.rope, fp32 tables"
+    if inp.row.matrix_path:
+        note += f", rotation='{args[3]}' (matrix path), fp32 M"
+    return Prepared(fn, note, dtype=torch.float32)
 
 
 def build_rome_inplace(inp: Inputs) -> Prepared:

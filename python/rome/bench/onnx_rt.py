@@ -66,6 +66,10 @@ def build_ort(inp: Inputs, threads: int) -> Prepared:
     from onnx import TensorProto, helper
 
     row = inp.row
+    if row.dense:
+        raise NotApplicable("RotaryEmbedding has no matrix form")
+    if row.matrix == "forced":
+        raise NotApplicable("same computation as the half 1D row")
     fp16 = TensorProto.FLOAT16
     interleaved = 1 if row.mode == "interleave" else 0
     feeds = {}

@@ -34,6 +34,10 @@ class Row:
     cache: int = 0  # > 0: tables are a [cache, 128] cache gathered by positions
     positions_start: int = 0
     decode: bool = False  # report microseconds per call (overhead, not bandwidth)
+    # 'rotate': the mode's signed permutation (every standard RoPE); 'orthogonal': random dense
+    # orthogonal blocks of `dims` (a learned rotation: RoME's matrix path); 'forced': the mode's
+    # permutation run through RoME's matrix path anyway (rotation="dense_forced"), to compare paths.
+    matrix: str = "rotate"
 
     @property
     def seq(self) -> int:
@@ -42,6 +46,21 @@ class Row:
     @property
     def multi_axis(self) -> bool:
         return len(self.dims) > 1
+
+    @property
+    def dense(self) -> bool:
+        """A row whose matrix is not a signed permutation (no small-ops form exists)."""
+        return self.matrix == "orthogonal"
+
+    @property
+    def matrix_path(self) -> bool:
+        """RoME runs this row as matrix products."""
+        return self.matrix in ("orthogonal", "forced")
+
+    def matrix_flops(self) -> int:
+        """Flops of x·M on the diagonal blocks (2 per multiply-add), q and k."""
+        rows = (math.prod(self.q_shape) + (math.prod(self.k_shape) if self.k_shape else 0)) // HEAD
+        return rows * sum(2 * d * d for d in self.dims)
 
     @property
     def shape_text(self) -> str:
@@ -87,6 +106,14 @@ def all_rows(seq: int = DEFAULT_SEQ, llm_seq: int = DEFAULT_LLM_SEQ) -> List[Row
     rows.append(Row("decode", "decode (1 token), half, GQA, cache", "half", [128], [1],
                     (1, LLM_Q_HEADS, 1, HEAD), (1, LLM_K_HEADS, 1, HEAD), cache=LLM_CACHE,
                     positions_start=llm_seq, decode=True))
+    # The matrix path: learned (dense) rotations, and a standard one forced through it.
+    rows.append(Row("dense_1d", "dense orthogonal 128", "half", [128], [seq], x, matrix="orthogonal"))
+    rows.append(Row("dense_3d", "dense blocks 44+44+40", "half", [44, 44, 40], _grid_3d(seq), x,
+                    matrix="orthogonal"))
+    rows.append(Row("dense_llm", "dense orthogonal 128, LLM shape", "half", [128], [llm_seq],
+                    (1, LLM_Q_HEADS, llm_seq, HEAD), matrix="orthogonal"))
+    rows.append(Row("forced_half_1d", "half 1D forced through matrix path", "half", [128], [seq], x,
+                    matrix="forced"))
     return rows
 
 
@@ -158,6 +185,22 @@ def rotate_matrix(mode: str, dim: int, dtype=torch.float64) -> torch.Tensor:
 
 def block_matrix(mode: str, dims: Sequence[int], dtype=torch.float64) -> torch.Tensor:
     return torch.block_diag(*[rotate_matrix(mode, d, dtype) for d in dims])
+
+
+def random_orthogonal(dim: int, seed: int) -> torch.Tensor:
+    """A random orthogonal [dim, dim] matrix (QR of a Gaussian one), rounded to float32 and held
+    in float64: the float32 matrix is exactly the one every method is given."""
+    g = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(dim, dim, generator=g, dtype=torch.float64))
+    q = q * torch.sign(torch.diagonal(r))[None, :]
+    return q.float().double()
+
+
+def matrix64(row: Row) -> torch.Tensor:
+    """The row's [128, 128] matrix M (B; A = I) in float64."""
+    if row.matrix == "orthogonal":
+        return torch.block_diag(*[random_orthogonal(d, 100 + i) for i, d in enumerate(row.dims)])
+    return block_matrix(row.mode, row.dims)
 
 
 # ------------------------------------------------------------------------------------------------
