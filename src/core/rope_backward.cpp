@@ -1,5 +1,9 @@
-// Backward of y = (x·A) ⊙ C + (x·B) ⊙ S with the general formulas (no sin negation), portable
-// code: gradients are computed once per training step, not per decode token.
+// Backward of y = (x·A) ⊙ C + (x·B) ⊙ S with the general formulas (no sin negation):
+//   dx = (g ⊙ C)·Aᵀ + (g ⊙ S)·Bᵀ,  dC = Σ g ⊙ (x·A),  dS = Σ g ⊙ (x·B),
+//   dA = Σ xᵀ·(g ⊙ C),  dB = Σ xᵀ·(g ⊙ S)   (sums over the axes a table or matrix is shared by).
+// Signed permutations: portable per-row code (O(D) per row). Dense matrices: the products run
+// on the active ISA's fp32 product kernel over batches of rows (O(D²) per row: this is where a
+// learned rotation's backward spends its time).
 #include <algorithm>
 #include <cmath>
 #include <vector>
@@ -155,6 +159,130 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
   }
 }
 
+// Dense rotations: per outer index (one table row), inner rows in batches of kRowBatch staged
+// as fp32 matrices G, U = G ⊙ C, V = G ⊙ S and X, then products on the ISA kernel. dA/dB are
+// summed per batch in fp32 and added to the caller's double accumulators: the batch split is
+// fixed, so the result does not depend on the thread count.
+struct DenseScratch {
+  std::vector<float> cos, sin, g, u, v, x, xt, dx, xm, p;
+  std::vector<double> dc, ds;
+};
+
+void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
+                          const std::vector<float>& b_t, std::int64_t begin, std::int64_t end,
+                          double* da, double* db) {
+  const detail::ForwardPlan& plan = bp.forward;
+  const RotationData& r = *plan.rotation;
+  const kernels::AccumulateProductFn product = detail::active_kernels().accumulate_product;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  constexpr std::int64_t kBatch = detail::kRowBatch;
+  thread_local DenseScratch s;
+  for (auto* m : {&s.g, &s.u, &s.v, &s.x, &s.xt, &s.dx, &s.xm}) m->resize(kBatch * hd);
+  s.cos.resize(hd);
+  s.sin.resize(hd);
+  s.p.resize((da || db) ? rd * rd : 0);
+  s.dc.assign(rd, 0.0);
+  s.ds.assign(rd, 0.0);
+  const bool want_tables = bp.dcos.data || bp.dsin.data;
+  const bool want_x = want_tables || da || db;
+  // The diagonal blocks of A and B (outside them both are zero): the products for dx and x·M
+  // stay inside a block. dA/dB are full matrices (gradients of the zero entries too).
+  auto block_products = [&](std::int64_t rows, const float* in, const float* m, float* out) {
+    for (const auto& blk : r.dense_blocks)
+      product(rows, blk.size, blk.size, in + blk.offset, rd, m + blk.offset * rd + blk.offset, rd,
+              out + blk.offset, rd);
+  };
+  std::int64_t outer[kMaxRank];
+  std::int64_t g_rows[kBatch], dx_rows[kBatch], x_rows[kBatch];
+  for (std::int64_t item = begin; item < end; ++item) {
+    detail::unravel(item, plan.outer_size, plan.outer_count, outer);
+    const detail::TableRow t = detail::load_table_row(plan, outer, s.cos.data(), s.sin.data());
+    std::int64_t g_off = 0, dx_off = 0, x_off = 0;
+    for (int i = 0; i < plan.outer_count; ++i) {
+      g_off += outer[i] * plan.q.outer_in[i];
+      dx_off += outer[i] * plan.q.outer_out[i];
+      x_off += outer[i] * bp.x.outer_in[i];
+    }
+    std::fill(s.dc.begin(), s.dc.end(), 0.0);
+    std::fill(s.ds.begin(), s.ds.end(), 0.0);
+    for (std::int64_t first = 0; first < plan.q.inner.rows; first += kBatch) {
+      const std::int64_t rows = std::min(kBatch, plan.q.inner.rows - first);
+      std::int64_t n = 0;
+      detail::walk_rows(plan.q.inner, first, first + rows, [&](std::int64_t in, std::int64_t out) {
+        g_rows[n] = g_off + in;
+        dx_rows[n++] = dx_off + out;
+      });
+      if (want_x) {
+        n = 0;
+        detail::walk_rows(bp.x.inner, first, first + rows,
+                          [&](std::int64_t in, std::int64_t) { x_rows[n++] = x_off + in; });
+      }
+      for (std::int64_t row = 0; row < rows; ++row) {
+        float* g = s.g.data() + row * hd;
+        load_row(plan.q.in_base, plan.dtype, g_rows[row], hd, g);
+        for (std::int64_t j = 0; j < rd; ++j) {
+          s.u[row * rd + j] = g[j] * t.cos[j];
+          s.v[row * rd + j] = g[j] * t.sin[j];
+        }
+      }
+      if (bp.want_dx) {
+        std::fill(s.dx.begin(), s.dx.begin() + rows * rd, 0.0f);
+        if (r.a_identity)
+          std::copy(s.u.begin(), s.u.begin() + rows * rd, s.dx.begin());
+        else
+          block_products(rows, s.u.data(), a_t.data(), s.dx.data());
+        block_products(rows, s.v.data(), b_t.data(), s.dx.data());
+        for (std::int64_t row = 0; row < rows; ++row) {
+          char* dx = plan.q.out_base + dx_rows[row] * dtype_size(plan.dtype);
+          for (std::int64_t j = 0; j < rd; ++j)
+            detail::store_any(dx, plan.dtype, j, s.dx[row * rd + j]);
+          for (std::int64_t j = rd; j < hd; ++j)  // pass-through lanes
+            detail::store_any(dx, plan.dtype, j, s.g[row * hd + j]);
+        }
+      }
+      if (!want_x) continue;
+      for (std::int64_t row = 0; row < rows; ++row)
+        load_row(bp.x.in_base, bp.x_dtype, x_rows[row], rd, s.x.data() + row * rd);
+      if (want_tables) {
+        for (int which = 0; which < 2; ++which) {
+          const float* xm = s.x.data();  // x·A with A = I
+          if (which == 1 || !r.a_identity) {
+            std::fill(s.xm.begin(), s.xm.begin() + rows * rd, 0.0f);
+            block_products(rows, s.x.data(), which ? r.dense_b.data() : r.dense_a.data(),
+                           s.xm.data());
+            xm = s.xm.data();
+          }
+          std::vector<double>& acc = which ? s.ds : s.dc;
+          for (std::int64_t row = 0; row < rows; ++row)
+            for (std::int64_t j = 0; j < rd; ++j)
+              acc[j] += double(s.g[row * hd + j]) * xm[row * rd + j];
+        }
+      }
+      if (da || db) {
+        for (std::int64_t row = 0; row < rows; ++row)  // xᵀ: rd × rows
+          for (std::int64_t i = 0; i < rd; ++i) s.xt[i * rows + row] = s.x[row * rd + i];
+        for (auto [dm, w] : {std::pair{da, s.u.data()}, std::pair{db, s.v.data()}}) {
+          if (!dm) continue;
+          std::fill(s.p.begin(), s.p.end(), 0.0f);
+          product(rd, rows, rd, s.xt.data(), rows, w, rd, s.p.data(), rd);
+          for (std::int64_t e = 0; e < rd * rd; ++e) dm[e] += s.p[e];
+        }
+      }
+    }
+    store_table_gradient(bp.dcos, bp.dcos_outer, outer, plan.outer_count, plan.tables.width,
+                         s.dc.data(), rd);
+    store_table_gradient(bp.dsin, bp.dsin_outer, outer, plan.outer_count, plan.tables.width,
+                         s.ds.data(), rd);
+  }
+}
+
+std::vector<float> transposed(const std::vector<float>& m, std::int64_t n) {
+  std::vector<float> t(m.size());
+  for (std::int64_t i = 0; i < n; ++i)
+    for (std::int64_t j = 0; j < n; ++j) t[j * n + i] = m[i * n + j];
+  return t;
+}
+
 }  // namespace
 
 void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTensorView& grad,
@@ -166,10 +294,22 @@ void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTe
   const std::int64_t items = bp.forward.outer_total;
   int threads = detail::resolve_threads(options.num_threads);
   if (bp.forward.bytes_moved < 256 * 1024) threads = 1;
+  const RotationData& r = rotation.data();
+  const bool dense = r.kind == Rotation::Kind::dense;
+  std::vector<float> a_t, b_t;
+  if (dense) {
+    if (!r.a_identity) a_t = transposed(r.dense_a, rd);
+    b_t = transposed(r.dense_b, rd);
+  }
+  auto range = [&](std::int64_t b, std::int64_t e, double* da, double* db) {
+    if (dense)
+      backward_dense_range(bp, a_t, b_t, b, e, da, db);
+    else
+      backward_range(bp, b, e, da, db);
+  };
   if (!out.da && !out.db) {
-    detail::parallel_for(items, threads, [&](std::int64_t b, std::int64_t e) {
-      backward_range(bp, b, e, nullptr, nullptr);
-    });
+    detail::parallel_for(items, threads,
+                         [&](std::int64_t b, std::int64_t e) { range(b, e, nullptr, nullptr); });
     return;
   }
   // dA/dB: fixed chunks summed in order, so results do not depend on the thread count.
@@ -182,9 +322,9 @@ void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTe
   detail::parallel_for(chunks, std::min<std::int64_t>(threads, chunks),
                        [&](std::int64_t b, std::int64_t e) {
                          for (std::int64_t c = b; c < e; ++c)
-                           backward_range(bp, items * c / chunks, items * (c + 1) / chunks,
-                                          out.da ? partial_a.data() + c * matrix : nullptr,
-                                          out.db ? partial_b.data() + c * matrix : nullptr);
+                           range(items * c / chunks, items * (c + 1) / chunks,
+                                 out.da ? partial_a.data() + c * matrix : nullptr,
+                                 out.db ? partial_b.data() + c * matrix : nullptr);
                        });
   for (auto [dst, partial] : {std::pair{out.da, &partial_a}, std::pair{out.db, &partial_b}}) {
     if (!dst) continue;

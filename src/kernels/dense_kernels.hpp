@@ -7,6 +7,15 @@ namespace rome::kernels {
 
 void avx2_forward_dense(const detail::RotationData& rotation, const ForwardBatch& batch);
 void avx512_forward_dense(const detail::RotationData& rotation, const ForwardBatch& batch);
+void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
+                               std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                               std::int64_t ldc);
+void avx2_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
+                             std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                             std::int64_t ldc);
+void avx512_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
+                               std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                               std::int64_t ldc);
 // The AMX ISA's kernels with the tile unit replaced by a software model: for tests on CPUs
 // without AMX (it needs AVX-512).
 const KernelTable& amx_emulated_kernels();

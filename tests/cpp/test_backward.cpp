@@ -52,6 +52,17 @@ const std::vector<GradCase>& grad_cases() {
        {2, 1, 4, 0},
        TableWidth::full,
        true},
+      // Blocks wider than a vector with ragged tails (18 = 16 + 2, 22 = 16 + 6 lanes), A dense.
+      {"dense_blocks_learned",
+       [] {
+         return Rotation::block_diag(
+                    {Rotation::dense(random_values(324, 4), random_values(324, 5), 18),
+                     Rotation::dense(random_values(484, 6), random_values(484, 7), 22)})
+             .partial(42);
+       },
+       {1, 3, 4, 0},
+       TableWidth::full,
+       true},
   };
   return cases;
 }
@@ -169,6 +180,115 @@ TEST(Backward, MatrixGradientsIndependentOfThreads) {
   rope_backward(rotation, tables.view(), g.cview(), x.cview(), two, ExecOptions{2});
   EXPECT_EQ(da1, da2);
   EXPECT_EQ(db1, db2);
+}
+
+// The dense backward on the ISA product kernels: rows in batches of 64 (tables shared by 700 rows,
+// or per token), against the formulas evaluated in double, bit-identical on every ISA and for 1
+// and 2 threads (every ISA does the same fma sequence; the batch split is fixed).
+TEST(Backward, DenseMatchesDoubleFormulasOnEveryIsa) {
+  std::vector<Rotation> parts;
+  for (std::int64_t size : {44, 44, 40})
+    parts.push_back(Rotation::dense(random_values(size * size, size),
+                                    random_values(size * size, size + 1), size));
+  const Rotation rotation = Rotation::block_diag(parts);
+  const std::int64_t rd = 128;
+  const std::vector<float> a = rotation.to_dense_a(), b = rotation.to_dense_b();
+  for (const std::vector<std::int64_t>& table_shape :
+       {std::vector<std::int64_t>{70, rd}, std::vector<std::int64_t>{1, 1, 1, rd}}) {
+    for (DType dtype : {DType::f32, DType::bf16}) {
+      SCOPED_TRACE(std::string(dtype_name(dtype)) +
+                   (table_shape.size() == 2 ? " per-token tables" : " one table row"));
+      std::mt19937_64 rng(8);
+      TestTensor x = TestTensor::make(dtype, {2, 5, 70, rd}), g = x;
+      x.fill_random(rng, -1, 1);
+      g.fill_random(rng, -1, 1);
+      TestTables tables;
+      tables.cos = TestTensor::make(DType::f32, table_shape);
+      tables.sin = TestTensor::make(DType::f32, table_shape);
+      tables.cos.fill_random(rng, -1, 1);
+      tables.sin.fill_random(rng, -1, 1);
+      const bool per_token = table_shape.size() == 2;
+      auto table = [&](const TestTensor& t, std::int64_t s, std::int64_t j) {
+        return per_token ? t.get({s, j}) : t.get({0, 0, 0, j});
+      };
+      // Double formulas, and the scale Σ|terms| each result is held to.
+      const std::int64_t rows = x.numel() / rd;
+      std::vector<double> dx(x.numel()), dx_scale(x.numel()), dc(tables.cos.numel()), ds(dc.size()),
+          dc_scale(dc.size()), ds_scale(dc.size()), da(rd * rd), db(rd * rd), da_scale(rd * rd),
+          db_scale(rd * rd);
+      for (std::int64_t row = 0; row < rows; ++row) {
+        const std::int64_t s = row % 70, t_row = per_token ? s : 0;
+        std::vector<double> xv(rd), u(rd), v(rd), gv(rd);
+        for (std::int64_t j = 0; j < rd; ++j) {
+          xv[j] = x.get(x.unravel(row * rd + j));
+          gv[j] = g.get(g.unravel(row * rd + j));
+          u[j] = gv[j] * table(tables.cos, s, j);
+          v[j] = gv[j] * table(tables.sin, s, j);
+        }
+        for (std::int64_t i = 0; i < rd; ++i)
+          for (std::int64_t j = 0; j < rd; ++j) {
+            dx[row * rd + i] += u[j] * a[i * rd + j] + v[j] * b[i * rd + j];
+            dx_scale[row * rd + i] +=
+                std::abs(u[j] * a[i * rd + j]) + std::abs(v[j] * b[i * rd + j]);
+            dc[t_row * rd + j] += gv[j] * xv[i] * a[i * rd + j];
+            ds[t_row * rd + j] += gv[j] * xv[i] * b[i * rd + j];
+            dc_scale[t_row * rd + j] += std::abs(gv[j] * xv[i] * a[i * rd + j]);
+            ds_scale[t_row * rd + j] += std::abs(gv[j] * xv[i] * b[i * rd + j]);
+            da[i * rd + j] += xv[i] * u[j];
+            db[i * rd + j] += xv[i] * v[j];
+            da_scale[i * rd + j] += std::abs(xv[i] * u[j]);
+            db_scale[i * rd + j] += std::abs(xv[i] * v[j]);
+          }
+      }
+      auto check = [](const char* what, const std::vector<double>& got,
+                      const std::vector<double>& want, const std::vector<double>& scale,
+                      double rounding) {
+        for (std::size_t e = 0; e < want.size(); ++e)
+          ASSERT_LE(std::abs(got[e] - want[e]),
+                    1e-5 * scale[e] + rounding * std::abs(want[e]) + 1e-30)
+              << what << " at " << e << ": " << got[e] << " vs " << want[e];
+      };
+      std::vector<TestTensor> first;
+      std::vector<float> first_da, first_db;
+      for (Isa isa : isas_under_test()) {
+        ScopedIsa scoped(isa);
+        for (int threads : {1, 2}) {
+          TestTensor gx = TestTensor::make(dtype, x.shape), gc = tables.cos, gs = tables.sin;
+          std::vector<float> gda(rd * rd), gdb(rd * rd);
+          Gradients out;
+          out.dx = gx.view();
+          out.dcos = gc.view();
+          out.dsin = gs.view();
+          out.da = gda.data();
+          out.db = gdb.data();
+          rope_backward(rotation, tables.view(), g.cview(), x.cview(), out, ExecOptions{threads});
+          if (first.empty()) {
+            std::vector<double> v(x.numel()), c(dc.size()), sn(dc.size());
+            for (std::int64_t e = 0; e < x.numel(); ++e) v[e] = gx.get(gx.unravel(e));
+            for (std::size_t e = 0; e < dc.size(); ++e) {
+              c[e] = gc.get(gc.unravel(e));
+              sn[e] = gs.get(gs.unravel(e));
+            }
+            const double out_rounding = dtype == DType::bf16 ? 0x1p-8 : 0x1p-24;
+            check("dx", v, dx, dx_scale, out_rounding);
+            check("dcos", c, dc, dc_scale, 0x1p-24);
+            check("dsin", sn, ds, ds_scale, 0x1p-24);
+            check("da", std::vector<double>(gda.begin(), gda.end()), da, da_scale, 0x1p-24);
+            check("db", std::vector<double>(gdb.begin(), gdb.end()), db, db_scale, 0x1p-24);
+            first = {gx, gc, gs};
+            first_da = gda;
+            first_db = gdb;
+          } else {
+            EXPECT_EQ(first[0].storage, gx.storage) << isa_name(isa) << " threads " << threads;
+            EXPECT_EQ(first[1].storage, gc.storage) << isa_name(isa) << " threads " << threads;
+            EXPECT_EQ(first[2].storage, gs.storage) << isa_name(isa) << " threads " << threads;
+            EXPECT_EQ(first_da, gda) << isa_name(isa) << " threads " << threads;
+            EXPECT_EQ(first_db, gdb) << isa_name(isa) << " threads " << threads;
+          }
+        }
+      }
+    }
+  }
 }
 
 }  // namespace

@@ -58,7 +58,7 @@ struct HardwareTiles {
 
 const KernelTable& amx_kernels() {
   static const KernelTable table{"amx", avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<HardwareTiles>};
+                                 amx::forward_dense_any<HardwareTiles>, avx512_accumulate_product};
   return table;
 }
 

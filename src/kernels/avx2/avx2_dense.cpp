@@ -110,7 +110,42 @@ void forward_dense_typed(const RotationData& r, const ForwardBatch& batch) {
     forward_dense_rows<D, true>(r, batch);
 }
 
+// R rows of c, 16 columns at a time (masked loads never touch memory past n).
+template <int R>
+void product_rows(std::int64_t k, std::int64_t n, const float* a, std::int64_t lda, const float* b,
+                  std::int64_t ldb, float* c, std::int64_t ldc) {
+  for (std::int64_t j0 = 0; j0 < n; j0 += 2 * kW) {
+    __m256i mask[2];
+    for (int v = 0; v < 2; ++v)
+      mask[v] = lane_mask(int(std::clamp<std::int64_t>(n - (j0 + v * kW), 0, kW)));
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2; ++v)
+        acc[r][v] = _mm256_maskload_ps(c + r * ldc + j0 + v * kW, mask[v]);
+    for (std::int64_t i = 0; i < k; ++i) {
+      const __m256 b0 = _mm256_maskload_ps(b + i * ldb + j0, mask[0]);
+      const __m256 b1 = _mm256_maskload_ps(b + i * ldb + j0 + kW, mask[1]);
+      for (int r = 0; r < R; ++r) {
+        const __m256 ai = _mm256_broadcast_ss(a + r * lda + i);
+        acc[r][0] = _mm256_fmadd_ps(ai, b0, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(ai, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2; ++v)
+        _mm256_maskstore_ps(c + r * ldc + j0 + v * kW, mask[v], acc[r][v]);
+  }
+}
+
 }  // namespace
+
+void avx2_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
+                             std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                             std::int64_t ldc) {
+  std::int64_t r = 0;
+  for (; r + 6 <= rows; r += 6) product_rows<6>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
+  for (; r < rows; ++r) product_rows<1>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
+}
 
 void avx2_forward_dense(const RotationData& r, const ForwardBatch& batch) {
   switch (batch.dtype) {

@@ -441,7 +441,8 @@ void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
 }  // namespace
 
 const KernelTable& avx2_kernels() {
-  static const KernelTable table{"avx2", forward_permute_any, avx2_forward_dense};
+  static const KernelTable table{"avx2", forward_permute_any, avx2_forward_dense,
+                                 avx2_accumulate_product};
   return table;
 }
 

@@ -63,7 +63,7 @@ struct EmulatedTiles {
 
 const KernelTable& amx_emulated_kernels() {
   static const KernelTable table{"amx-emulated", avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<EmulatedTiles>};
+                                 amx::forward_dense_any<EmulatedTiles>, avx512_accumulate_product};
   return table;
 }
 

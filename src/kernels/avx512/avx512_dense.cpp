@@ -109,7 +109,46 @@ void forward_dense_typed(const RotationData& r, const ForwardBatch& batch) {
     forward_dense_rows<D, true>(r, batch);
 }
 
+// R rows of c, 32 columns at a time: the accumulators stay in registers while b's row i is
+// loaded once per tile and a[r][i] is broadcast.
+template <int R>
+void product_rows(std::int64_t k, std::int64_t n, const float* a, std::int64_t lda, const float* b,
+                  std::int64_t ldb, float* c, std::int64_t ldc) {
+  for (std::int64_t j0 = 0; j0 < n; j0 += 2 * kW) {
+    __mmask16 mask[2];
+    for (int v = 0; v < 2; ++v) {
+      const std::int64_t left = n - (j0 + v * kW);
+      mask[v] = left >= kW ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1);
+    }
+    __m512 acc[R][2];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2; ++v)
+        acc[r][v] = _mm512_maskz_loadu_ps(mask[v], c + r * ldc + j0 + v * kW);
+    for (std::int64_t i = 0; i < k; ++i) {
+      const __m512 b0 = _mm512_maskz_loadu_ps(mask[0], b + i * ldb + j0);
+      const __m512 b1 = _mm512_maskz_loadu_ps(mask[1], b + i * ldb + j0 + kW);
+      for (int r = 0; r < R; ++r) {
+        const __m512 ai = _mm512_set1_ps(a[r * lda + i]);
+        acc[r][0] = _mm512_fmadd_ps(ai, b0, acc[r][0]);
+        acc[r][1] = _mm512_fmadd_ps(ai, b1, acc[r][1]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < 2; ++v)
+        _mm512_mask_storeu_ps(c + r * ldc + j0 + v * kW, mask[v], acc[r][v]);
+  }
+}
+
 }  // namespace
+
+void avx512_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
+                               std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                               std::int64_t ldc) {
+  std::int64_t r = 0;
+  for (; r + 8 <= rows; r += 8) product_rows<8>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
+  for (; r + 4 <= rows; r += 4) product_rows<4>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
+  for (; r < rows; ++r) product_rows<1>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
+}
 
 void avx512_forward_dense(const RotationData& r, const ForwardBatch& batch) {
   switch (batch.dtype) {

@@ -614,7 +614,8 @@ void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
 }  // namespace
 
 const KernelTable& avx512_kernels() {
-  static const KernelTable table{"avx512", forward_permute_any, avx512_forward_dense};
+  static const KernelTable table{"avx512", forward_permute_any, avx512_forward_dense,
+                                 avx512_accumulate_product};
   return table;
 }
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../../core/convert.hpp"
+#include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 
 namespace rome::kernels {
@@ -92,8 +93,22 @@ void forward_dense_any(const RotationData& r, const ForwardBatch& b) {
 
 }  // namespace
 
+void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
+                               std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                               std::int64_t ldc) {
+  for (std::int64_t r = 0; r < rows; ++r) {
+    float* cr = c + r * ldc;
+    for (std::int64_t i = 0; i < k; ++i) {
+      const float ai = a[r * lda + i];
+      const float* bi = b + i * ldb;
+      for (std::int64_t j = 0; j < n; ++j) cr[j] = std::fma(ai, bi[j], cr[j]);
+    }
+  }
+}
+
 const KernelTable& scalar_kernels() {
-  static const KernelTable table{"scalar", forward_permute_any, forward_dense_any};
+  static const KernelTable table{"scalar", forward_permute_any, forward_dense_any,
+                                 scalar_accumulate_product};
   return table;
 }
 
