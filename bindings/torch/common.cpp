@@ -26,6 +26,12 @@ using at::Tensor;
   TORCH_CHECK(false, e.what());  // unreachable
 }
 
+std::string shape_of_sizes(c10::IntArrayRef sizes) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < sizes.size(); ++i) s += (i ? ", " : "") + std::to_string(sizes[i]);
+  return s + "]";
+}
+
 std::string shape_of(const Tensor& t) {
   std::string s = "[";
   for (int64_t i = 0; i < t.dim(); ++i) s += (i ? ", " : "") + std::to_string(t.size(i));
@@ -271,7 +277,9 @@ static Tensor drop_leading_ones(Tensor t, int64_t max_rank) {
 
 // Direct tables as the core sees them: leading size-1 axes past x's rank dropped, and cos/sin of
 // different (broadcastable) shapes expanded to their common shape.
-std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin, int64_t x_rank) {
+std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
+                                           c10::IntArrayRef x_sizes) {
+  const int64_t x_rank = int64_t(x_sizes.size());
   Tensor c = drop_leading_ones(cos, x_rank), s = drop_leading_ones(sin, x_rank);
   if (c.sizes() != s.sizes()) {
     const int64_t rank = std::max(c.dim(), s.dim());
@@ -285,6 +293,18 @@ std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
                    shape_of(sin));
       shape[i] = cs == 1 ? ss : cs;
     }
+    // The core sees the expanded pair and would name cos for either: name the one that fails.
+    for (const auto& [name, t] : {std::pair<const char*, const Tensor*>{"cos", &c}, {"sin", &s}}) {
+      bool ok = t->dim() <= x_rank;
+      for (int64_t i = 0; ok && i + 1 < t->dim(); ++i) {
+        const int64_t xs = x_sizes[x_rank - t->dim() + i], ts = t->size(i);
+        ok = ts == 1 || ts == xs;
+      }
+      if (!ok)
+        rome::fail(rome::Status::invalid_argument, name,
+                   "a shape broadcastable to q " + shape_of_sizes(x_sizes),
+                   shape_of(name[0] == 'c' ? cos : sin));
+    }
     c = drop_leading_ones(c.expand(shape), x_rank);
     s = drop_leading_ones(s.expand(shape), x_rank);
   }
@@ -293,7 +313,8 @@ std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
 
 PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
                               const std::optional<Tensor>& positions, const std::string& width,
-                              const std::vector<int64_t>& column_axis, int64_t x_rank) {
+                              const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes) {
+  const int64_t x_rank = int64_t(x_sizes.size());
   PreparedTables p;
   p.tables.width = table_width(width);
   const bool cache_tables = positions.has_value() && positions->defined();
@@ -310,7 +331,7 @@ PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
     p.positions = pos;
     p.tables.positions = const_view(pos, "positions", true);
   } else {
-    std::tie(p.cos, p.sin) = effective_tables(cos, sin, x_rank);
+    std::tie(p.cos, p.sin) = effective_tables(cos, sin, x_sizes);
   }
   p.tables.cos = const_view(p.cos, "cos", false);
   p.tables.sin = const_view(p.sin, "sin", false);

@@ -26,7 +26,8 @@ Tensor alloc_like(const Tensor& t);
 rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t>& blocks,
                               int64_t rotary_dim, int64_t head_dim, const OptTensor& mat_a,
                               const OptTensor& mat_b, const std::string& mat_b_name);
-std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin, int64_t x_rank);
+std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
+                                           c10::IntArrayRef x_sizes);
 // Keeps the tensors the views point into alive.
 struct PreparedTables {
   rome::Tables tables;
@@ -34,6 +35,6 @@ struct PreparedTables {
 };
 PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin, const OptTensor& positions,
                               const std::string& width, const std::vector<int64_t>& column_axis,
-                              int64_t x_rank);
+                              c10::IntArrayRef x_sizes);
 
 }  // namespace rome_torch

@@ -29,6 +29,30 @@ decltype(auto) guarded(F&& f) {
   }
 }
 
+// The core names its operands q, q_out, k, k_out, cos, sin; an op whose arguments are called
+// otherwise (x, query, key, cos_sin_cache) or that passes q as its own output (in place) maps
+// the names back, so every message names an argument of the op the user called.
+using Renames = std::initializer_list<std::pair<const char*, const char*>>;
+
+template <typename F>
+decltype(auto) guarded(Renames renames, F&& f) {
+  try {
+    return f();
+  } catch (const rome::Error& e) {
+    const std::string& arg = e.argument();
+    const std::string base = arg.substr(0, arg.find('.')), suffix = arg.substr(base.size());
+    for (const auto& [from, to] : renames) {
+      if (base != from) continue;
+      const std::string old_prefix = "rome: " + arg, renamed = std::string(to) + suffix;
+      std::string message = e.what();
+      if (message.rfind(old_prefix, 0) == 0)
+        message = "rome: " + renamed + message.substr(old_prefix.size());
+      rethrow(rome::Error(e.status(), renamed, message));
+    }
+    rethrow(e);
+  }
+}
+
 bool has(const OptTensor& t) {
   return t.has_value() && t->defined();
 }
@@ -92,7 +116,7 @@ Prepared prepare(const Tensor& q, const Tensor& cos, const Tensor& sin, const Op
   p.rotation =
       build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, mat_a, mat_b, "mat_b");
   p.tables =
-      prepare_tables(cos, sin, positions, std::string(table_width), to_vec(column_axis), q.dim());
+      prepare_tables(cos, sin, positions, std::string(table_width), to_vec(column_axis), q.sizes());
   return p;
 }
 
@@ -102,7 +126,7 @@ std::tuple<Tensor, Tensor> rope_cpu(const Tensor& q, const OptTensor& k, const T
                                     int64_t rotary_dim, c10::string_view table_width,
                                     c10::IntArrayRef column_axis, const OptTensor& mat_a,
                                     const OptTensor& mat_b) {
-  return guarded([&] {
+  return guarded({{"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
     const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
                                column_axis, mat_a, mat_b);
     const Tensor qin = readable(q);
@@ -128,7 +152,7 @@ void rope_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, co
                       c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
                       c10::IntArrayRef column_axis, const OptTensor& mat_a,
                       const OptTensor& mat_b) {
-  guarded([&] {
+  guarded({{"q_out", "q"}, {"k_out", "k"}, {"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
     const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
                                column_axis, mat_a, mat_b);
     const rome::TensorView qv = mutable_view(q, "q");
@@ -147,12 +171,12 @@ Prepared prepare_matrix(const Tensor& x, const Tensor& mat, const Tensor& sin, c
   Prepared p;
   const int64_t hd = head_dim_of(x, "x");
   p.rotation = build_rotation("dense", {}, -1, hd, std::nullopt, mat, "mat");
-  p.tables = prepare_tables(cos, sin, std::nullopt, "full", {}, x.dim());
+  p.tables = prepare_tables(cos, sin, std::nullopt, "full", {}, x.sizes());
   return p;
 }
 
 Tensor rope_matrix_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
-  return guarded([&] {
+  return guarded({{"q", "x"}, {"dim", "x"}, {"head_dim", "x"}}, [&] {
     const Prepared p = prepare_matrix(x, mat, sin, cos);
     const Tensor xin = readable(x);
     rome::Operand op{const_view(xin, "x", false), {}};
@@ -165,7 +189,7 @@ Tensor rope_matrix_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin, co
 
 void rope_matrix_inplace_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin,
                              const Tensor& cos) {
-  guarded([&] {
+  guarded({{"q", "x"}, {"q_out", "x"}, {"dim", "x"}, {"head_dim", "x"}}, [&] {
     const Prepared p = prepare_matrix(x, mat, sin, cos);
     const rome::TensorView v = mutable_view(x, "x");
     rome::rope_forward(*p.rotation, p.tables.tables, rome::Operand{rome::as_const(v), v});
@@ -203,43 +227,52 @@ rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes
 
 void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const OptTensor& key,
                           int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
-  guarded([&] {
-    if (head_size <= 0)
-      rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
-                 std::to_string(head_size));
-    if (positions.dim() < 1 || positions.dim() > 2)
-      rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]", shape_of(positions));
-    if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0)
-      rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-                 "[max_position, rotary_dim] with an even rotary_dim", shape_of(cos_sin_cache));
-    const int64_t rd = cos_sin_cache.size(1);
-    if (rd > head_size)
-      rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-                 "rotary_dim (its last axis) at most head_size " + std::to_string(head_size),
-                 shape_of(cos_sin_cache));
-    rome::Rotation rotation = build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size,
-                                             std::nullopt, std::nullopt, "mat_b");
-    const int64_t token_axes = positions.dim();
-    const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
-    // positions [T] / [B, S] -> [T, 1] / [B, S, 1]: one position for every head.
-    rome::Tables tables;
-    tables.positions = const_view(positions, "positions", true);
-    tables.positions.rank = static_cast<int>(token_axes + 1);
-    tables.positions.shape[token_axes] = 1;
-    tables.positions.strides[token_axes] = 0;
-    const Tensor cos = cos_sin_cache.narrow(1, 0, rd / 2);
-    const Tensor sin = cos_sin_cache.narrow(1, rd / 2, rd / 2);
-    tables.cos = const_view(cos, "cos_sin_cache", false);
-    tables.sin = const_view(sin, "cos_sin_cache", false);
-    tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
-    const rome::Operand oq{rome::as_const(qv), qv};
-    rome::Operand ok;
-    if (has(key)) {
-      const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
-      ok = {rome::as_const(kv), kv};
-    }
-    rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr);
-  });
+  guarded(
+      {{"q", "query"},
+       {"q_out", "query"},
+       {"k", "key"},
+       {"k_out", "key"},
+       {"cos", "cos_sin_cache"},
+       {"sin", "cos_sin_cache"}},
+      [&] {
+        if (head_size <= 0)
+          rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+                     std::to_string(head_size));
+        if (positions.dim() < 1 || positions.dim() > 2)
+          rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]",
+                     shape_of(positions));
+        if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 ||
+            cos_sin_cache.size(1) == 0)
+          rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+                     "[max_position, rotary_dim] with an even rotary_dim", shape_of(cos_sin_cache));
+        const int64_t rd = cos_sin_cache.size(1);
+        if (rd > head_size)
+          rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+                     "rotary_dim (its last axis) at most head_size " + std::to_string(head_size),
+                     shape_of(cos_sin_cache));
+        rome::Rotation rotation = build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size,
+                                                 std::nullopt, std::nullopt, "mat_b");
+        const int64_t token_axes = positions.dim();
+        const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
+        // positions [T] / [B, S] -> [T, 1] / [B, S, 1]: one position for every head.
+        rome::Tables tables;
+        tables.positions = const_view(positions, "positions", true);
+        tables.positions.rank = static_cast<int>(token_axes + 1);
+        tables.positions.shape[token_axes] = 1;
+        tables.positions.strides[token_axes] = 0;
+        const Tensor cos = cos_sin_cache.narrow(1, 0, rd / 2);
+        const Tensor sin = cos_sin_cache.narrow(1, rd / 2, rd / 2);
+        tables.cos = const_view(cos, "cos_sin_cache", false);
+        tables.sin = const_view(sin, "cos_sin_cache", false);
+        tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
+        const rome::Operand oq{rome::as_const(qv), qv};
+        rome::Operand ok;
+        if (has(key)) {
+          const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
+          ok = {rome::as_const(kv), kv};
+        }
+        rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr);
+      });
 }
 
 // ExecuTorch: x [B, N, C], freqs_cis with N*C elements, (cos, sin) pairs innermost.
@@ -261,7 +294,7 @@ void check_interleaved(const Tensor& x, const Tensor& freqs) {
 }
 
 Tensor interleaved_cpu(const Tensor& x, const Tensor& freqs_cis) {
-  return guarded([&] {
+  return guarded({{"q", "x"}, {"cos", "freqs_cis"}, {"sin", "freqs_cis"}, {"dim", "x"}}, [&] {
     check_interleaved(x, freqs_cis);
     const rome::Rotation rotation =
         build_rotation("interleave", {}, -1, x.size(2), std::nullopt, std::nullopt, "mat_b");
@@ -359,36 +392,96 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_cpu(
 
 // ----------------------------------------------------------------------------------------------
 // Meta kernels: fresh outputs with the CPU kernels' shapes, dtypes and strides.
+//
+// The dispatcher picks Meta when ANY tensor argument is on meta: CPU q with a meta table lands
+// here too. Computing nothing and returning an uninitialised CPU tensor (or leaving q untouched
+// in place) would be a silent wrong answer, so every argument must be on meta.
+using NamedTensors = std::initializer_list<std::pair<const char*, const Tensor*>>;
 
-std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor&,
-                                     const Tensor&, const OptTensor&, c10::string_view,
-                                     c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef,
-                                     const OptTensor&, const OptTensor&) {
+void require_all_meta(NamedTensors tensors) {
+  guarded([&] {
+    const std::pair<const char*, const Tensor*>* other = nullptr;  // a tensor not on meta
+    for (const auto& t : tensors)
+      if (t.second && t.second->defined() && !t.second->is_meta()) other = &t;
+    if (!other) return;
+    for (const auto& t : tensors)
+      if (t.second && t.second->defined() && t.second->is_meta())
+        rome::fail(rome::Status::invalid_argument, std::string(t.first) + ".device",
+                   other->second->device().str() + " (the device of " + other->first +
+                       "; every tensor on one device)",
+                   "meta");
+  });
+}
+
+const Tensor* opt(const OptTensor& t) {
+  return t.has_value() ? &*t : nullptr;
+}
+
+std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                                     const Tensor& sin, const OptTensor& positions,
+                                     c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
+                                     c10::IntArrayRef, const OptTensor& mat_a,
+                                     const OptTensor& mat_b) {
+  require_all_meta({{"q", &q},
+                    {"k", opt(k)},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"positions", opt(positions)},
+                    {"mat_a", opt(mat_a)},
+                    {"mat_b", opt(mat_b)}});
   return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
 }
 
-void rope_inplace_meta(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
-                       const OptTensor&, c10::string_view, c10::IntArrayRef, int64_t,
-                       c10::string_view, c10::IntArrayRef, const OptTensor&, const OptTensor&) {}
+void rope_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const OptTensor& positions, c10::string_view, c10::IntArrayRef, int64_t,
+                       c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
+                       const OptTensor& mat_b) {
+  require_all_meta({{"q", &q},
+                    {"k", opt(k)},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"positions", opt(positions)},
+                    {"mat_a", opt(mat_a)},
+                    {"mat_b", opt(mat_b)}});
+}
 
-Tensor rope_matrix_meta(const Tensor& x, const Tensor&, const Tensor&, const Tensor&) {
+Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
+  require_all_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}});
   return alloc_like(x);
 }
 
-void rope_matrix_inplace_meta(const Tensor&, const Tensor&, const Tensor&, const Tensor&) {}
+void rope_matrix_inplace_meta(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                              const Tensor& cos) {
+  require_all_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}});
+}
 
-void rotary_embedding_meta(const Tensor&, const Tensor&, const OptTensor&, int64_t, const Tensor&,
-                           bool) {}
+void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const OptTensor& key,
+                           int64_t, const Tensor& cos_sin_cache, bool) {
+  require_all_meta({{"positions", &positions},
+                    {"query", &query},
+                    {"key", opt(key)},
+                    {"cos_sin_cache", &cos_sin_cache}});
+}
 
-Tensor interleaved_meta(const Tensor& x, const Tensor&) {
+Tensor interleaved_meta(const Tensor& x, const Tensor& freqs_cis) {
+  require_all_meta({{"x", &x}, {"freqs_cis", &freqs_cis}});
   return alloc_like(x);
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_meta(
     const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
-    const Tensor& cos, const Tensor& sin, const OptTensor&, c10::string_view, c10::IntArrayRef,
-    int64_t, c10::string_view, c10::IntArrayRef, const OptTensor& mat_a, const OptTensor& mat_b,
-    std::array<bool, 6> mask) {
+    const Tensor& cos, const Tensor& sin, const OptTensor& positions, c10::string_view,
+    c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
+    const OptTensor& mat_b, std::array<bool, 6> mask) {
+  require_all_meta({{"grad_q", &grad_q},
+                    {"grad_k", opt(grad_k)},
+                    {"q", &q},
+                    {"k", opt(k)},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"positions", opt(positions)},
+                    {"mat_a", opt(mat_a)},
+                    {"mat_b", opt(mat_b)}});
   auto table = [](const Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
   return std::make_tuple(mask[0] ? alloc_like(grad_q) : empty_marker(q),
                          mask[1] && has(k) ? alloc_like(*grad_k) : empty_marker(q),
@@ -600,14 +693,19 @@ Tensor interleaved_autograd(const Tensor& x, const Tensor& freqs_cis) {
   return InterleavedFunction::apply(x, freqs_cis);
 }
 
-// In-place ops are inference only.
-void inference_only(const char* op, std::initializer_list<OptTensor> inputs) {
+// In-place ops are inference only: autograd cannot record a kernel that overwrites its input.
+void inference_only(const char* op,
+                    std::initializer_list<std::pair<const char*, OptTensor>> inputs) {
   if (!at::GradMode::is_enabled()) return;
-  for (const OptTensor& t : inputs)
-    TORCH_CHECK(!requires_grad(t), "rome::", op,
-                ": the in-place op is inference only, but an input requires grad; use the "
-                "out-of-place op (rome.ops.rope / rome.ops.rope_matrix) for training, or call it "
-                "under torch.no_grad() / torch.inference_mode()");
+  guarded([&] {
+    for (const auto& [name, t] : inputs)
+      if (requires_grad(t))
+        rome::fail(rome::Status::unsupported, name,
+                   std::string("a tensor that does not require grad (rome::") + op +
+                       " is in place and inference only: use the out-of-place op for training, "
+                       "or call it under torch.no_grad() / torch.inference_mode())",
+                   "requires_grad=True");
+  });
 }
 
 void rope_inplace_autograd(const Tensor& q, const OptTensor& k, const Tensor& cos,
@@ -616,7 +714,9 @@ void rope_inplace_autograd(const Tensor& q, const OptTensor& k, const Tensor& co
                            c10::string_view table_width, c10::IntArrayRef column_axis,
                            const OptTensor& mat_a, const OptTensor& mat_b) {
   ROME_OP(op, "rome::rope_", RopeInplaceSig);
-  inference_only("rope_", {q, k, cos, sin, mat_a, mat_b});
+  inference_only(
+      "rope_",
+      {{"q", q}, {"k", k}, {"cos", cos}, {"sin", sin}, {"mat_a", mat_a}, {"mat_b", mat_b}});
   at::AutoDispatchBelowAutograd guard;
   op.call(q, k, cos, sin, positions, rotation, blocks, rotary_dim, table_width, column_axis, mat_a,
           mat_b);
@@ -625,7 +725,7 @@ void rope_inplace_autograd(const Tensor& q, const OptTensor& k, const Tensor& co
 void rope_matrix_inplace_autograd(const Tensor& x, const Tensor& mat, const Tensor& sin,
                                   const Tensor& cos) {
   ROME_OP(op, "rome::rope_matrix_", RopeMatrixInplaceSig);
-  inference_only("rope_matrix_", {x, mat, sin, cos});
+  inference_only("rope_matrix_", {{"x", x}, {"mat", mat}, {"sin", sin}, {"cos", cos}});
   at::AutoDispatchBelowAutograd guard;
   op.call(x, mat, sin, cos);
 }
@@ -633,7 +733,8 @@ void rope_matrix_inplace_autograd(const Tensor& x, const Tensor& mat, const Tens
 void rotary_embedding_autograd(const Tensor& positions, const Tensor& query, const OptTensor& key,
                                int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
   ROME_OP(op, "rome::rotary_embedding", RotaryEmbeddingSig);
-  inference_only("rotary_embedding", {query, key, cos_sin_cache});
+  inference_only("rotary_embedding",
+                 {{"query", query}, {"key", key}, {"cos_sin_cache", cos_sin_cache}});
   at::AutoDispatchBelowAutograd guard;
   op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
 }
