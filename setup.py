@@ -6,8 +6,9 @@ then bindings/torch/*.cpp are compiled into rome._C and linked against build/py/
     pip install --no-build-isolation -e .     # development
     pip install --no-build-isolation .        # regular install
 
-Environment: ROME_CMAKE_ARGS adds arguments to the CMake configure step; MAX_JOBS bounds the
-parallel build.
+Environment: ROME_CORE_LIBRARY names an already built PIC librome.a to link instead (make
+passes the one of its Release build, so the library is compiled once); ROME_CMAKE_ARGS adds
+arguments to the CMake configure step; MAX_JOBS bounds the parallel build.
 """
 
 import glob
@@ -22,7 +23,8 @@ from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 CORE_BUILD = os.path.join(ROOT, "build", "py")
-CORE_LIBRARY = os.path.join(CORE_BUILD, "librome.a")
+PREBUILT_CORE = os.environ.get("ROME_CORE_LIBRARY", "")
+CORE_LIBRARY = os.path.abspath(PREBUILT_CORE) if PREBUILT_CORE else os.path.join(CORE_BUILD, "librome.a")
 
 
 def build_core():
@@ -49,7 +51,11 @@ def build_core():
 
 class BuildRome(BuildExtension):
     def run(self):
-        build_core()
+        if PREBUILT_CORE:
+            if not os.path.isfile(CORE_LIBRARY):
+                sys.exit(f"rome: ROME_CORE_LIBRARY={PREBUILT_CORE}: no such file")
+        else:
+            build_core()
         super().run()
 
 

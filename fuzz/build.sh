@@ -8,7 +8,7 @@
 #                                 fuzz/corpus is only read), print executions and corpus size
 #   fuzz/build.sh smoke           build, then a reproducible run for make test: a fresh corpus from
 #                                 fuzz/corpus, a fixed seed and a fixed number of inputs
-#                                 (FUZZ_SEED, FUZZ_RUNS; capped at 120 s), so CI and a developer's
+#                                 (FUZZ_SEED, FUZZ_RUNS; capped at 75 s), so CI and a developer's
 #                                 machine fuzz the same inputs
 #   fuzz/build.sh corpus          rebuild fuzz/corpus with fuzz/make_corpus.cpp
 set -euo pipefail
@@ -74,10 +74,10 @@ echo "built $out/fuzz_rope (kernels: scalar ${defines[*]})"
 case "${1:-}" in
   run|smoke)
     if [[ "$1" == smoke ]]; then
-      seconds=120
+      seconds=75
       corpus="$out/smoke-corpus"
       rm -rf "$corpus"
-      limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_RUNS:-30000}")
+      limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_RUNS:-15000}")
     else
       seconds="${2:-60}"
       corpus="$out/corpus"

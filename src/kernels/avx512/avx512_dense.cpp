@@ -1,8 +1,8 @@
 // AVX-512 dense rotations: x·B (and x·A) as fp32 FMA products on the CPU's vector units, for
 // CPUs without a matrix unit. Per diagonal block, output columns are vectorised 16 at a time and
 // x[i] is broadcast in ascending i from +0, so every lane does exactly the scalar kernel's
-// sequence of FMAs: the results match it bit for bit. Tiles of R rows × 32 columns keep the
-// accumulators in registers while each row of B is loaded once per tile.
+// sequence of FMAs: the results match it bit for bit. Tiles of R rows × 32 columns (16 for a
+// block's tail) keep the accumulators in registers while each row of B is loaded once per tile.
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 #include "avx512_lanes.hpp"
@@ -15,54 +15,65 @@ using namespace avx512;
 
 constexpr int kColumnVectors = 2;  // 32 output columns per tile
 
-template <DType D, int R, bool DenseA>
-void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t first_row,
-                const float* X, std::int64_t x_stride) {
+// Output columns [c0, c0 + CV·16) of one block (masked past `end`) for R rows.
+template <DType D, int R, bool DenseA, int CV>
+ROME_INLINE void dense_columns(const RotationData& r, const ForwardBatch& batch,
+                               std::int64_t first_row, const float* X, std::int64_t x_stride,
+                               std::int64_t begin, std::int64_t end, std::int64_t c0) {
   using L = Lanes<D, NarrowExact>;
   using T = typename L::T;
   const std::int64_t rd = r.rotary_dim;
   const float* a = r.dense_a.data();
   const float* b = r.dense_b.data();
-  for (const auto& block : r.dense_blocks) {
-    const std::int64_t begin = block.offset, end = block.offset + block.size;
-    for (std::int64_t c0 = begin; c0 < end; c0 += kColumnVectors * kW) {
-      __mmask16 mask[kColumnVectors];
-      for (int v = 0; v < kColumnVectors; ++v) {
-        const std::int64_t left = end - (c0 + v * kW);
-        mask[v] = left >= kW  ? __mmask16(0xffff)
-                  : left <= 0 ? __mmask16(0)
-                              : __mmask16((1u << left) - 1);
-      }
-      __m512 acc_b[R][kColumnVectors], acc_a[R][kColumnVectors];
-      for (int i = 0; i < R; ++i)
-        for (int v = 0; v < kColumnVectors; ++v) acc_b[i][v] = acc_a[i][v] = _mm512_setzero_ps();
-      for (std::int64_t i = begin; i < end; ++i) {
-        __m512 bi[kColumnVectors], ai[kColumnVectors];
-        for (int v = 0; v < kColumnVectors; ++v) {
-          bi[v] = _mm512_maskz_loadu_ps(mask[v], b + i * rd + c0 + v * kW);
-          if constexpr (DenseA) ai[v] = _mm512_maskz_loadu_ps(mask[v], a + i * rd + c0 + v * kW);
-        }
-        for (int row = 0; row < R; ++row) {
-          const __m512 xi = _mm512_set1_ps(X[row * x_stride + i]);
-          for (int v = 0; v < kColumnVectors; ++v) {
-            acc_b[row][v] = _mm512_fmadd_ps(xi, bi[v], acc_b[row][v]);
-            if constexpr (DenseA) acc_a[row][v] = _mm512_fmadd_ps(xi, ai[v], acc_a[row][v]);
-          }
-        }
-      }
-      for (int v = 0; v < kColumnVectors; ++v) {
-        if (!mask[v]) continue;
-        const std::int64_t j = c0 + v * kW;
-        const __m512 c = _mm512_maskz_loadu_ps(mask[v], batch.cos + j);
-        const __m512 s = _mm512_maskz_loadu_ps(mask[v], batch.sin + j);
-        for (int row = 0; row < R; ++row) {
-          const __m512 xa =
-              DenseA ? acc_a[row][v] : _mm512_maskz_loadu_ps(mask[v], X + row * x_stride + j);
-          const __m512 y = combine(xa, c, acc_b[row][v], s);
-          L::store(static_cast<T*>(batch.rows[first_row + row].y) + j, y, mask[v]);
-        }
+  __mmask16 mask[CV];
+  for (int v = 0; v < CV; ++v) {
+    const std::int64_t left = end - (c0 + v * kW);
+    mask[v] = left >= kW  ? __mmask16(0xffff)
+              : left <= 0 ? __mmask16(0)
+                          : __mmask16((1u << left) - 1);
+  }
+  __m512 acc_b[R][CV], acc_a[R][CV];
+  for (int i = 0; i < R; ++i)
+    for (int v = 0; v < CV; ++v) acc_b[i][v] = acc_a[i][v] = _mm512_setzero_ps();
+  for (std::int64_t i = begin; i < end; ++i) {
+    __m512 bi[CV], ai[CV];
+    for (int v = 0; v < CV; ++v) {
+      bi[v] = _mm512_maskz_loadu_ps(mask[v], b + i * rd + c0 + v * kW);
+      if constexpr (DenseA) ai[v] = _mm512_maskz_loadu_ps(mask[v], a + i * rd + c0 + v * kW);
+    }
+    for (int row = 0; row < R; ++row) {
+      const __m512 xi = _mm512_set1_ps(X[row * x_stride + i]);
+      for (int v = 0; v < CV; ++v) {
+        acc_b[row][v] = _mm512_fmadd_ps(xi, bi[v], acc_b[row][v]);
+        if constexpr (DenseA) acc_a[row][v] = _mm512_fmadd_ps(xi, ai[v], acc_a[row][v]);
       }
     }
+  }
+  for (int v = 0; v < CV; ++v) {
+    if (!mask[v]) continue;
+    const std::int64_t j = c0 + v * kW;
+    const __m512 c = _mm512_maskz_loadu_ps(mask[v], batch.cos + j);
+    const __m512 s = _mm512_maskz_loadu_ps(mask[v], batch.sin + j);
+    for (int row = 0; row < R; ++row) {
+      const __m512 xa =
+          DenseA ? acc_a[row][v] : _mm512_maskz_loadu_ps(mask[v], X + row * x_stride + j);
+      const __m512 y = combine(xa, c, acc_b[row][v], s);
+      L::store(static_cast<T*>(batch.rows[first_row + row].y) + j, y, mask[v]);
+    }
+  }
+}
+
+// Per diagonal block: 32-column tiles, and a 16-column tile for a tail of at most 16 (a 44-lane
+// block is 32 + 16, not 32 + 32 with a wholly masked vector).
+template <DType D, int R, bool DenseA>
+void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t first_row,
+                const float* X, std::int64_t x_stride) {
+  for (const auto& block : r.dense_blocks) {
+    const std::int64_t begin = block.offset, end = block.offset + block.size;
+    std::int64_t c0 = begin;
+    for (; end - c0 > kW; c0 += kColumnVectors * kW)
+      dense_columns<D, R, DenseA, kColumnVectors>(r, batch, first_row, X, x_stride, begin, end, c0);
+    if (c0 < end) dense_columns<D, R, DenseA, 1>(r, batch, first_row, X, x_stride, begin, end, c0);
   }
 }
 
