@@ -84,8 +84,10 @@ tsan: deps
 	cmake --build build-tsan -j $(JOBS) --target rome_tests
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ./build-tsan/rome_tests --gtest_filter='Concurrency*' --gtest_repeat=2
 
+# One pytest worker per core, a whole file per worker (module fixtures such as the bench run
+# are built once).
 test-python: python
-	$(PYTHON) -m pytest -q tests/python
+	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile tests/python
 
 bench: build python
 	$(PYTHON) -m rome.bench $(BENCH_ARGS)

@@ -19,6 +19,7 @@ import conftest
 import rome
 from rome.bench import report, rows
 
+
 ROWS = rows.ROW_KEYS
 
 
