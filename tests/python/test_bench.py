@@ -19,7 +19,6 @@ import conftest
 import rome
 from rome.bench import report, rows
 
-
 ROWS = rows.ROW_KEYS
 
 

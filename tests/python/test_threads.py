@@ -23,8 +23,6 @@ import torch
 
 import rome
 
-
-
 THREADS = 8
 
 # torch.jit.script (the inter-op pool test) and torch's own modules warn that TorchScript is
