@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "baselines/small_ops.hpp"
+#include "common/copy_floor.hpp"
 #include "common/random_matrices.hpp"
 #include "core/convert.hpp"
 #include "core/thread_pool.hpp"
@@ -128,60 +129,6 @@ Data& data() {
   return d;
 }
 
-// ---------------------------------------------------------------------------------------------
-// The copy reference: memcpy of every input byte to the output plus a read pass over the table
-// bytes, cut into `threads` contiguous pieces run on RoME's thread pool.
-
-struct CopyJob {
-  struct Span {
-    const char* src;
-    char* dst;  // nullptr: read only
-    std::size_t bytes;
-  };
-  std::vector<Span> spans;
-  std::size_t total = 0;
-};
-
-std::uint64_t g_sink = 0;
-
-void run_piece(const CopyJob& job, std::size_t begin, std::size_t end) {
-  std::uint64_t acc = 0;
-  std::size_t at = 0;
-  for (const auto& s : job.spans) {
-    const std::size_t lo = std::max(begin, at), hi = std::min(end, at + s.bytes);
-    if (lo < hi) {
-      const char* src = s.src + (lo - at);
-      if (s.dst) {
-        std::memcpy(s.dst + (lo - at), src, hi - lo);
-      } else {
-        const auto* w = reinterpret_cast<const std::uint64_t*>(src);
-        std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-        const std::size_t words = (hi - lo) / 8;
-        std::size_t i = 0;
-        for (; i + 4 <= words; i += 4) a0 ^= w[i], a1 ^= w[i + 1], a2 ^= w[i + 2], a3 ^= w[i + 3];
-        for (; i < words; ++i) a0 ^= w[i];
-        acc ^= a0 ^ a1 ^ a2 ^ a3;
-      }
-    }
-    at += s.bytes;
-  }
-  __atomic_fetch_xor(&g_sink, acc, __ATOMIC_RELAXED);
-}
-
-void run_copy(const CopyJob& job, int threads) {
-  // Pieces of at least 64 KiB, cache-line aligned.
-  const std::size_t pieces = std::size_t(threads);
-  rome::detail::parallel_for(std::int64_t(pieces), threads, [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t p = b; p < e; ++p) {
-      const std::size_t lo = job.total * std::size_t(p) / pieces / 64 * 64;
-      const std::size_t hi = p + 1 == std::int64_t(pieces)
-                                 ? job.total
-                                 : job.total * std::size_t(p + 1) / pieces / 64 * 64;
-      run_piece(job, lo, hi);
-    }
-  });
-}
-
 double time_once(const std::function<void()>& f) {
   const auto t0 = Clock::now();
   f();
@@ -241,7 +188,7 @@ struct Call {
   rome::Operand q, k;
   bool has_k = false;
   double bytes = 0;  // read x + read tables + write y
-  CopyJob copy;
+  rome::bench::CopyJob copy;
 };
 
 Call make_call(const Case& c, DType dtype) {
@@ -293,7 +240,6 @@ Call make_call(const Case& c, DType dtype) {
                        {d.cos.as<const char>(), nullptr, std::size_t(table_bytes / 2)},
                        {d.sin.as<const char>(), nullptr, std::size_t(table_bytes / 2)}};
   }
-  for (const auto& s : call.copy.spans) call.copy.total += s.bytes;
   return call;
 }
 
@@ -310,11 +256,11 @@ struct IsaScope {
 
 void bench_copy(benchmark::State& state, Case c, DType dtype, int threads) {
   const Call call = make_call(c, dtype);
-  run_copy(call.copy, threads);
+  rome::bench::run_copy(call.copy, threads);
   double total = 0;
   std::int64_t n = 0;
   for (auto _ : state) {
-    const double t = time_once([&] { run_copy(call.copy, threads); });
+    const double t = time_once([&] { rome::bench::run_copy(call.copy, threads); });
     state.SetIterationTime(t);
     total += t, ++n;
   }
@@ -354,7 +300,8 @@ void bench_rope(benchmark::State& state, Case c, DType dtype, Isa isa, int threa
   }
   const Call call = make_call(c, dtype);
   paired_loop(
-      state, [&] { rope_call(call, threads); }, [&] { run_copy(call.copy, threads); }, call.bytes);
+      state, [&] { rope_call(call, threads); }, [&] { rome::bench::run_copy(call.copy, threads); },
+      call.bytes);
 }
 
 // The unfused baseline on the 1D rows: tables in x's dtype, single thread.
@@ -381,7 +328,7 @@ void bench_small_ops(benchmark::State& state, bool interleave, DType dtype) {
         rome::baselines::small_ops_rope(mode, dtype, d.x.data, d.y.data, kHeads * kSeq, kDim,
                                         t.first->data, t.second->data, kSeq);
       },
-      [&] { run_copy(call.copy, 1); }, call.bytes);
+      [&] { rome::bench::run_copy(call.copy, 1); }, call.bytes);
 }
 
 // Decode: one token, Q [1, 1, 32, 128] + K [1, 1, 8, 128], position gathered from the cache.

@@ -40,6 +40,7 @@
 #include <string>
 #include <vector>
 
+#include "common/copy_floor.hpp"
 #include "common/random_matrices.hpp"
 #include "core/convert.hpp"
 #include "core/rotation_data.hpp"
@@ -131,51 +132,6 @@ void fill_values(void* p, DType dtype, std::int64_t n, std::uint32_t seed) {
     const float v = float(std::int32_t(s >> 8) - (1 << 23)) * (1.0f / float(1 << 22));
     rome::detail::store_any(p, dtype, i, v == 0.0f ? 0.5f : v);
   }
-}
-
-// The copy floor: memcpy spans (dst != nullptr) and read-only spans, cut into equal pieces.
-struct Span {
-  const char* src;
-  char* dst;
-  std::size_t bytes;
-};
-std::uint64_t g_sink = 0;
-
-void copy_piece(const std::vector<Span>& spans, std::size_t begin, std::size_t end) {
-  std::uint64_t acc = 0;
-  std::size_t at = 0;
-  for (const Span& s : spans) {
-    const std::size_t lo = std::max(begin, at), hi = std::min(end, at + s.bytes);
-    if (lo < hi) {
-      const char* src = s.src + (lo - at);
-      if (s.dst) {
-        std::memcpy(s.dst + (lo - at), src, hi - lo);
-      } else {
-        const auto* w = reinterpret_cast<const std::uint64_t*>(src);
-        std::uint64_t a0 = 0, a1 = 0, a2 = 0, a3 = 0;
-        const std::size_t words = (hi - lo) / 8;
-        std::size_t i = 0;
-        for (; i + 4 <= words; i += 4) a0 ^= w[i], a1 ^= w[i + 1], a2 ^= w[i + 2], a3 ^= w[i + 3];
-        for (; i < words; ++i) a0 ^= w[i];
-        acc ^= a0 ^ a1 ^ a2 ^ a3;
-      }
-    }
-    at += s.bytes;
-  }
-  __atomic_fetch_xor(&g_sink, acc, __ATOMIC_RELAXED);
-}
-
-void run_copy(const std::vector<Span>& spans, std::size_t total, int threads) {
-  const std::int64_t pieces = std::max(1, threads);
-  if (pieces == 1) return copy_piece(spans, 0, total);
-  rome::detail::parallel_for(pieces, int(pieces), [&](std::int64_t b, std::int64_t e) {
-    for (std::int64_t p = b; p < e; ++p) {
-      const std::size_t lo = total * std::size_t(p) / std::size_t(pieces) / 64 * 64;
-      const std::size_t hi =
-          p + 1 == pieces ? total : total * std::size_t(p + 1) / std::size_t(pieces) / 64 * 64;
-      copy_piece(spans, lo, hi);
-    }
-  });
 }
 
 double seconds(const std::function<void()>& f, int inner) {
@@ -332,8 +288,10 @@ int main(int argc, char** argv) {
     const std::size_t table_offset = std::size_t(rows - seq) * rd * ts;
     Buffer copy_q(in_place ? std::size_t(q_elems) * es : 0),
         copy_k(in_place ? std::size_t(k_elems) * es : 0);
-    std::vector<Span> spans = {{q.bytes_ptr(), in_place ? copy_q.bytes_ptr() : q_out.bytes_ptr(),
-                                std::size_t(q_elems) * es}};
+    rome::bench::CopyJob job;
+    std::vector<rome::bench::CopyJob::Span>& spans = job.spans;
+    spans = {{q.bytes_ptr(), in_place ? copy_q.bytes_ptr() : q_out.bytes_ptr(),
+              std::size_t(q_elems) * es}};
     if (k_elems)
       spans.push_back({k.bytes_ptr(), in_place ? copy_k.bytes_ptr() : k_out.bytes_ptr(),
                        std::size_t(k_elems) * es});
@@ -342,13 +300,12 @@ int main(int argc, char** argv) {
     if (!positions.empty())
       spans.push_back(
           {reinterpret_cast<const char*>(positions.data()), nullptr, positions.size() * 8});
-    std::size_t total = 0;
-    for (const Span& s : spans) total += s.bytes;
+    const std::size_t total = job.bytes();
     // Like RoME, the copy only splits work worth splitting (>= 256 KiB per thread): waking a
     // second thread for a decode-sized copy costs more than the copy.
     const int copy_threads =
         int(std::clamp<std::size_t>(total / (std::size_t(256) << 10), 1, std::size_t(threads)));
-    auto copy = [&] { run_copy(spans, total, copy_threads); };
+    auto copy = [&] { rome::bench::run_copy(job, copy_threads); };
 
     for (int i = 0; i < std::max(1, warmup); ++i) rope(), copy();
     if (inner <= 0) {
