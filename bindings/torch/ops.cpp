@@ -417,11 +417,8 @@ const Tensor* opt(const OptTensor& t) {
   return t.has_value() ? &*t : nullptr;
 }
 
-std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos,
-                                     const Tensor& sin, const OptTensor& positions,
-                                     c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
-                                     c10::IntArrayRef, const OptTensor& mat_a,
-                                     const OptTensor& mat_b) {
+void require_rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const OptTensor& positions, const OptTensor& mat_a, const OptTensor& mat_b) {
   require_all_meta({{"q", &q},
                     {"k", opt(k)},
                     {"cos", &cos},
@@ -429,6 +426,14 @@ std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const 
                     {"positions", opt(positions)},
                     {"mat_a", opt(mat_a)},
                     {"mat_b", opt(mat_b)}});
+}
+
+std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                                     const Tensor& sin, const OptTensor& positions,
+                                     c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
+                                     c10::IntArrayRef, const OptTensor& mat_a,
+                                     const OptTensor& mat_b) {
+  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
   return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
 }
 
@@ -436,13 +441,7 @@ void rope_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, c
                        const OptTensor& positions, c10::string_view, c10::IntArrayRef, int64_t,
                        c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
                        const OptTensor& mat_b) {
-  require_all_meta({{"q", &q},
-                    {"k", opt(k)},
-                    {"cos", &cos},
-                    {"sin", &sin},
-                    {"positions", opt(positions)},
-                    {"mat_a", opt(mat_a)},
-                    {"mat_b", opt(mat_b)}});
+  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
 }
 
 Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {

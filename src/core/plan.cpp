@@ -169,9 +169,12 @@ bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_siz
   return ahi > delta + blo && delta + bhi > alo;
 }
 
-// Kernels and the scalar path load elements through typed pointers: an address that is not a
-// multiple of the element size is undefined behaviour (and a split load on some CPUs).
-void check_aligned(const std::string& name, const void* data, DType dtype) {
+// The data pointer of a view with `numel` elements: non-null unless the view is empty, and a
+// multiple of the element size (kernels and the scalar path load through typed pointers: a
+// misaligned address is undefined behaviour, and a split load on some CPUs).
+void check_data_pointer(const std::string& name, const void* data, DType dtype, int64_t numel) {
+  if (numel == 0) return;
+  if (data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
   const int es = dtype_size(dtype);
   const auto address = reinterpret_cast<std::uintptr_t>(data);
   if (es > 1 && address % es != 0) {
@@ -199,8 +202,7 @@ void check_tensor(const std::string& name, const ConstTensorView& v, int64_t hea
   if (v.shape[v.rank - 1] != head_dim)
     fail(Status::invalid_argument, name,
          "a last axis of " + to_string(head_dim) + " (the rotation's head_dim)", shape_string(v));
-  if (n > 0 && v.data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
-  if (n > 0) check_aligned(name, v.data, v.dtype);
+  check_data_pointer(name, v.data, v.dtype, n);
   if (head_dim > 1 && n > 0 && v.strides[v.rank - 1] != 1)  // an empty view has no layout
     fail(Status::invalid_argument, name, "a contiguous last axis (stride 1)",
          "stride " + to_string(v.strides[v.rank - 1]));
@@ -327,9 +329,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
            "a last axis of " + to_string(columns) + " (" + width_name(tables.width) +
                " width for rotary_dim " + to_string(rot.rotary_dim) + ")",
            shape_string(*t));
-    if (t->numel() > 0 && t->data == nullptr)
-      fail(Status::invalid_argument, name, "a data pointer", "null");
-    if (t->numel() > 0) check_aligned(name, t->data, t->dtype);
+    check_data_pointer(name, t->data, t->dtype, t->numel());
   }
   if (cos.rank != sin.rank || !std::equal(cos.shape, cos.shape + cos.rank, sin.shape))
     fail(Status::invalid_argument, "sin", "the shape of cos " + shape_string(cos),
@@ -413,9 +413,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       tp.column_axis = tables.column_axis.data();
       tp.positions_axis_stride = p.strides[p.rank - 1];
     }
-    if (p.numel() > 0 && p.data == nullptr)
-      fail(Status::invalid_argument, "positions", "a data pointer", "null");
-    if (p.numel() > 0) check_aligned("positions", p.data, p.dtype);
+    check_data_pointer("positions", p.data, p.dtype, p.numel());
     for (int i = 0; i < axes; ++i) {
       if (p.shape[i] != 1) varies[i] = true;
       pos_stride[i] = p.strides[i];
@@ -519,7 +517,7 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
         fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
              dtype_name(d->dtype));
       check_strides(name, *d);
-      if (d->numel() > 0) check_aligned(name, d->data, d->dtype);
+      check_data_pointer(name, d->data, d->dtype, d->numel());
       if (!has_distinct_elements(*d))
         fail(Status::invalid_argument, name, "strides that give every element its own address",
              "strides " + dims_string(d->strides, d->rank));
@@ -544,8 +542,8 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
     return v;
   };
   const TensorView da = matrix_view(out.da), db = matrix_view(out.db);
-  if (out.da) check_aligned("da", out.da, DType::f32);
-  if (out.db) check_aligned("db", out.db, DType::f32);
+  if (out.da) check_data_pointer("da", out.da, DType::f32, rd * rd);
+  if (out.db) check_data_pointer("db", out.db, DType::f32, rd * rd);
   const std::pair<TensorView, const char*> outputs[] = {
       {out.dx, "dx"}, {out.dcos, "dcos"}, {out.dsin, "dsin"}, {da, "da"}, {db, "db"}};
   for (const auto& [o, name] : outputs) {

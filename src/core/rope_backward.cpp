@@ -71,6 +71,21 @@ struct Scratch {
   }
 };
 
+struct OuterOffsets {
+  std::int64_t grad, dx, x;  // elements: the first row of grad, dx and x at an outer index
+};
+
+OuterOffsets outer_offsets(const BackwardPlan& bp, const std::int64_t* outer) {
+  const detail::ForwardPlan& plan = bp.forward;
+  OuterOffsets o{0, 0, 0};
+  for (int i = 0; i < plan.outer_count; ++i) {
+    o.grad += outer[i] * plan.q.outer_in[i];
+    o.dx += outer[i] * plan.q.outer_out[i];
+    o.x += outer[i] * bp.x.outer_in[i];
+  }
+  return o;
+}
+
 void load_row(const char* base, DType dtype, std::int64_t offset, std::int64_t n, float* out) {
   const char* row = base + offset * dtype_size(dtype);
   for (std::int64_t j = 0; j < n; ++j) out[j] = detail::load_any(row, dtype, j);
@@ -108,12 +123,7 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
   for (std::int64_t item = begin; item < end; ++item) {
     detail::unravel(item, plan.outer_size, plan.outer_count, outer);
     const detail::TableRow t = detail::load_table_row(plan, outer, s.cos.data(), s.sin.data());
-    std::int64_t g_off = 0, dx_off = 0, x_off = 0;
-    for (int i = 0; i < plan.outer_count; ++i) {
-      g_off += outer[i] * plan.q.outer_in[i];
-      dx_off += outer[i] * plan.q.outer_out[i];
-      x_off += outer[i] * bp.x.outer_in[i];
-    }
+    const OuterOffsets off = outer_offsets(bp, outer);
     std::fill(s.dc.begin(), s.dc.end(), 0.0);
     std::fill(s.ds.begin(), s.ds.end(), 0.0);
     std::vector<std::int64_t> x_rows;
@@ -122,7 +132,7 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
                         [&](std::int64_t in, std::int64_t) { x_rows.push_back(in); });
     std::int64_t row = 0;
     detail::walk_rows(plan.q.inner, 0, plan.q.inner.rows, [&](std::int64_t in, std::int64_t out) {
-      load_row(plan.q.in_base, plan.dtype, g_off + in, hd, s.g.data());
+      load_row(plan.q.in_base, plan.dtype, off.grad + in, hd, s.g.data());
       for (std::int64_t j = 0; j < rd; ++j) {
         s.u[j] = s.g[j] * t.cos[j];
         s.v[j] = s.g[j] * t.sin[j];
@@ -132,11 +142,11 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
         math.add_transposed_term(0, s.u.data(), s.dx.data());
         math.add_transposed_term(1, s.v.data(), s.dx.data());
         for (std::int64_t j = rd; j < hd; ++j) s.dx[j] = s.g[j];  // pass-through lanes
-        char* dx = plan.q.out_base + (dx_off + out) * dtype_size(plan.dtype);
+        char* dx = plan.q.out_base + (off.dx + out) * dtype_size(plan.dtype);
         for (std::int64_t j = 0; j < hd; ++j) detail::store_any(dx, plan.dtype, j, s.dx[j]);
       }
       if (want_x) {
-        load_row(bp.x.in_base, bp.x_dtype, x_off + x_rows[row], rd, s.x.data());
+        load_row(bp.x.in_base, bp.x_dtype, off.x + x_rows[row], rd, s.x.data());
         if (want_tables) {
           math.forward_term(0, s.x.data(), s.xa.data());
           math.forward_term(1, s.x.data(), s.xb.data());
@@ -197,25 +207,20 @@ void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
   for (std::int64_t item = begin; item < end; ++item) {
     detail::unravel(item, plan.outer_size, plan.outer_count, outer);
     const detail::TableRow t = detail::load_table_row(plan, outer, s.cos.data(), s.sin.data());
-    std::int64_t g_off = 0, dx_off = 0, x_off = 0;
-    for (int i = 0; i < plan.outer_count; ++i) {
-      g_off += outer[i] * plan.q.outer_in[i];
-      dx_off += outer[i] * plan.q.outer_out[i];
-      x_off += outer[i] * bp.x.outer_in[i];
-    }
+    const OuterOffsets off = outer_offsets(bp, outer);
     std::fill(s.dc.begin(), s.dc.end(), 0.0);
     std::fill(s.ds.begin(), s.ds.end(), 0.0);
     for (std::int64_t first = 0; first < plan.q.inner.rows; first += kBatch) {
       const std::int64_t rows = std::min(kBatch, plan.q.inner.rows - first);
       std::int64_t n = 0;
       detail::walk_rows(plan.q.inner, first, first + rows, [&](std::int64_t in, std::int64_t out) {
-        g_rows[n] = g_off + in;
-        dx_rows[n++] = dx_off + out;
+        g_rows[n] = off.grad + in;
+        dx_rows[n++] = off.dx + out;
       });
       if (want_x) {
         n = 0;
         detail::walk_rows(bp.x.inner, first, first + rows,
-                          [&](std::int64_t in, std::int64_t) { x_rows[n++] = x_off + in; });
+                          [&](std::int64_t in, std::int64_t) { x_rows[n++] = off.x + in; });
       }
       for (std::int64_t row = 0; row < rows; ++row) {
         float* g = s.g.data() + row * hd;
