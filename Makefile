@@ -87,7 +87,7 @@ tsan: deps
 # One pytest worker per core, a whole file per worker (module fixtures such as the bench run
 # are built once).
 test-python: python
-	$(PYTHON) -m pytest -q -n $(JOBS) --dist loadfile tests/python
+	$(PYTHON) -m pytest -q -rs -n $(JOBS) --dist loadfile tests/python
 
 bench: build python
 	$(PYTHON) -m rome.bench $(BENCH_ARGS)

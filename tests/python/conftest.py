@@ -39,10 +39,20 @@ def _isas():
 ISAS_UNDER_TEST, ISAS_SKIPPED = _isas()
 
 
-def pytest_report_header(config):
+def _isa_lines():
     lines = [f"rome: ISAs under test: {', '.join(ISAS_UNDER_TEST) or 'none'}"]
     lines += [f"rome: skipping ISA {isa}: {why}" for isa, why in ISAS_SKIPPED]
     return lines
+
+
+def pytest_report_header(config):
+    return _isa_lines()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Again at the end: make test runs pytest -q, which hides the header."""
+    for line in _isa_lines():
+        terminalreporter.write_line(line)
 
 
 def pytest_generate_tests(metafunc):
