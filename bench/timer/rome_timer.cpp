@@ -19,6 +19,7 @@
 //   --dtype bf16|f16|f32          x's dtype (default bf16)
 //   --table-dtype f32|bf16|f16    table dtype (default f32)
 //   --threads N         threads for RoME and for the copy (default: RoME's default)
+//   --tile-tokens T     tokens per executor tile (default: sized from the L2 cache)
 //   --repeats R         timed samples (default 20); --warmup W (default 3)
 //   --inner K           calls per sample (default: auto, so a sample lasts >= 1 ms)
 //   --in-place          rotate q/k in place instead of writing separate outputs
@@ -156,6 +157,7 @@ int usage(const char* why) {
   std::fprintf(stderr,
                "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
                "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
+               "[--tile-tokens T] "
                "[--repeats R] [--warmup W] [--inner K] [--in-place] [--force-dense] [--isa NAME]\n",
                why);
   return 2;
@@ -169,6 +171,7 @@ int main(int argc, char** argv) {
   std::int64_t cache = 0;
   DType dtype = DType::bf16, table_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
+  std::int64_t tile_tokens = 0;
   bool in_place = false, force_dense = false;
   try {
     for (int i = 1; i < argc; ++i) {
@@ -193,6 +196,8 @@ int main(int argc, char** argv) {
         table_dtype = parse_dtype(value());
       else if (a == "--threads")
         threads = std::stoi(value());
+      else if (a == "--tile-tokens")
+        tile_tokens = std::stoll(value());
       else if (a == "--repeats")
         repeats = std::stoi(value());
       else if (a == "--warmup")
@@ -277,7 +282,9 @@ int main(int argc, char** argv) {
       auto ko = in_place ? kv : view_of<void*>(k_out.data, dtype, k_shape);
       k_op = {rome::as_const(kv), ko};
     }
-    const rome::ExecOptions options{threads};
+    rome::ExecOptions options;
+    options.num_threads = threads;
+    options.tile_tokens = tile_tokens;
     auto rope = [&] {
       rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options);
     };

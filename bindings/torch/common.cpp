@@ -3,6 +3,7 @@
 #include "common.hpp"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 
 #include <algorithm>
@@ -13,6 +14,17 @@
 #include <vector>
 
 namespace rome_torch {
+
+rome::ExecOptions exec_options() {
+  rome::ExecOptions options;
+  if (rome::requested_num_threads() > 0) return options;
+  options.num_threads = at::get_num_threads();
+  options.parallel_for = [](std::int64_t items, int threads, rome::RangeBody body, void* context) {
+    const std::int64_t grain = (items + threads - 1) / threads;
+    at::parallel_for(0, items, grain, [&](std::int64_t b, std::int64_t e) { body(context, b, e); });
+  };
+  return options;
+}
 
 using at::Tensor;
 

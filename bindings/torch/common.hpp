@@ -28,6 +28,9 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
                               const OptTensor& mat_b, const std::string& mat_b_name);
 std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
                                            c10::IntArrayRef x_sizes);
+// Threads as torch has them (at::parallel_for, torch.set_num_threads), unless the user asked
+// RoME for a count (rome.set_num_threads, ROME_NUM_THREADS): then RoME's own pool.
+rome::ExecOptions exec_options();
 // Keeps the tensors the views point into alive.
 struct PreparedTables {
   rome::Tables tables;

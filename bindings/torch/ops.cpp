@@ -83,6 +83,10 @@ using RopeSig = std::tuple<Tensor, Tensor>(const Tensor&, const OptTensor&, cons
 using RopeInplaceSig = void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
                             const OptTensor&, c10::string_view, c10::IntArrayRef, int64_t,
                             c10::string_view, c10::IntArrayRef, const OptTensor&, const OptTensor&);
+using RopeOutSig = void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                        const Tensor&, const OptTensor&, const OptTensor&, c10::string_view,
+                        c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef,
+                        const OptTensor&, const OptTensor&);
 using RopeMatrixSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using RopeMatrixInplaceSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using RotaryEmbeddingSig = void(const Tensor&, const Tensor&, const OptTensor&, int64_t,
@@ -142,7 +146,7 @@ std::tuple<Tensor, Tensor> rope_cpu(const Tensor& q, const OptTensor& k, const T
       kout = alloc_like(*k);
       ok.out = mutable_view(kout, "k_out");
     }
-    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr);
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
     return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
   });
 }
@@ -163,7 +167,41 @@ void rope_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, co
       const rome::TensorView kv = mutable_view(*k, "k");
       ok = {rome::as_const(kv), kv};
     }
-    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr);
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
+  });
+}
+
+// Out of place into the caller's tensors: engines keep their buffers, no allocation per call.
+void rope_out_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                  const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
+                  c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                  c10::string_view table_width, c10::IntArrayRef column_axis,
+                  const OptTensor& mat_a, const OptTensor& mat_b) {
+  guarded({{"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
+    const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                               column_axis, mat_a, mat_b);
+    if (has(k) != has(k_out))
+      rome::fail(rome::Status::invalid_argument, "k_out",
+                 has(k) ? "a tensor (k is given)" : "None (k is None)",
+                 has(k_out) ? shape_of(*k_out) : std::string("None"));
+    auto require_like = [](const Tensor& out, const Tensor& in, const char* name) {
+      if (out.scalar_type() != in.scalar_type())
+        rome::fail(rome::Status::invalid_argument, name,
+                   std::string("dtype ") + c10::toString(in.scalar_type()) + " (the input's)",
+                   c10::toString(out.scalar_type()));
+    };
+    require_like(q_out, q, "q_out");
+    const Tensor qin = readable(q);
+    rome::Operand oq{const_view(qin, "q", false), mutable_view(q_out, "q_out")};
+    Tensor kin;
+    rome::Operand ok;
+    if (has(k)) {
+      head_dim_of(*k, "k");
+      require_like(*k_out, *k, "k_out");
+      kin = readable(*k);
+      ok = {const_view(kin, "k", false), mutable_view(*k_out, "k_out")};
+    }
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
   });
 }
 
@@ -182,7 +220,7 @@ Tensor rope_matrix_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin, co
     rome::Operand op{const_view(xin, "x", false), {}};
     const Tensor out = alloc_like(x);
     op.out = mutable_view(out, "out");
-    rome::rope_forward(*p.rotation, p.tables.tables, op);
+    rome::rope_forward(*p.rotation, p.tables.tables, op, nullptr, exec_options());
     return out;
   });
 }
@@ -192,7 +230,8 @@ void rope_matrix_inplace_cpu(const Tensor& x, const Tensor& mat, const Tensor& s
   guarded({{"q", "x"}, {"q_out", "x"}, {"dim", "x"}, {"head_dim", "x"}}, [&] {
     const Prepared p = prepare_matrix(x, mat, sin, cos);
     const rome::TensorView v = mutable_view(x, "x");
-    rome::rope_forward(*p.rotation, p.tables.tables, rome::Operand{rome::as_const(v), v});
+    rome::rope_forward(*p.rotation, p.tables.tables, rome::Operand{rome::as_const(v), v}, nullptr,
+                       exec_options());
   });
 }
 
@@ -271,7 +310,7 @@ void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const Op
           const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
           ok = {rome::as_const(kv), kv};
         }
-        rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr);
+        rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr, exec_options());
       });
 }
 
@@ -307,7 +346,7 @@ Tensor interleaved_cpu(const Tensor& x, const Tensor& freqs_cis) {
     rome::Operand op{const_view(xin, "x", false), {}};
     const Tensor out = alloc_like(x);
     op.out = mutable_view(out, "out");
-    rome::rope_forward(rotation, tables, op);
+    rome::rope_forward(rotation, tables, op, nullptr, exec_options());
     return out;
   });
 }
@@ -353,7 +392,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_cpu(
       }
       if (!out.dx.data && !out.dcos.data && !out.dsin.data && !out.da && !out.db) return;
       rome::rope_backward(*p.rotation, p.tables.tables, const_view(gin, "grad", false),
-                          const_view(xin, "x", false), out);
+                          const_view(xin, "x", false), out, exec_options());
       if (accumulate) {
         if (c.defined()) dcos.add_(c);
         if (s.defined()) dsin.add_(s);
@@ -442,6 +481,14 @@ void rope_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, c
                        c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
                        const OptTensor& mat_b) {
   require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+}
+
+void rope_out_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                   const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
+                   c10::string_view, c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef,
+                   const OptTensor& mat_a, const OptTensor& mat_b) {
+  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  require_all_meta({{"q_out", &q_out}, {"k_out", opt(k_out)}});
 }
 
 Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
@@ -721,6 +768,25 @@ void rope_inplace_autograd(const Tensor& q, const OptTensor& k, const Tensor& co
           mat_b);
 }
 
+void rope_out_autograd(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
+                       c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                       c10::string_view table_width, c10::IntArrayRef column_axis,
+                       const OptTensor& mat_a, const OptTensor& mat_b) {
+  ROME_OP(op, "rome::rope_out", RopeOutSig);
+  inference_only("rope_out", {{"q", q},
+                              {"k", k},
+                              {"cos", cos},
+                              {"sin", sin},
+                              {"q_out", q_out},
+                              {"k_out", k_out},
+                              {"mat_a", mat_a},
+                              {"mat_b", mat_b}});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(q, k, cos, sin, q_out, k_out, positions, rotation, blocks, rotary_dim, table_width,
+          column_axis, mat_a, mat_b);
+}
+
 void rope_matrix_inplace_autograd(const Tensor& x, const Tensor& mat, const Tensor& sin,
                                   const Tensor& cos) {
   ROME_OP(op, "rome::rope_matrix_", RopeMatrixInplaceSig);
@@ -756,6 +822,21 @@ void rope_inplace_view(const Tensor& q, const OptTensor& k, const Tensor& cos, c
   }
   bump(q);
   bump(k);
+}
+
+void rope_out_view(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                   const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
+                   c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                   c10::string_view table_width, c10::IntArrayRef column_axis,
+                   const OptTensor& mat_a, const OptTensor& mat_b) {
+  ROME_OP(op, "rome::rope_out", RopeOutSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(q, k, cos, sin, q_out, k_out, positions, rotation, blocks, rotary_dim, table_width,
+            column_axis, mat_a, mat_b);
+  }
+  bump(q_out);
+  bump(k_out);
 }
 
 void rope_matrix_inplace_view(const Tensor& x, const Tensor& mat, const Tensor& sin,
@@ -794,6 +875,12 @@ TORCH_LIBRARY(rome, m) {
       "rope_(Tensor(a!) q, Tensor(b!)? k, Tensor cos, Tensor sin, Tensor? positions=None, "
       "str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, str table_width=\"full\", "
       "int[] column_axis=[], Tensor? mat_a=None, Tensor? mat_b=None) -> ()");
+  // Out of place into preallocated outputs (q_out, k_out: q's and k's shapes and dtypes).
+  m.def(
+      "rope_out(Tensor q, Tensor? k, Tensor cos, Tensor sin, Tensor(c!) q_out, Tensor(d!)? k_out, "
+      "Tensor? positions=None, str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, "
+      "str table_width=\"full\", int[] column_axis=[], Tensor? mat_a=None, Tensor? mat_b=None) "
+      "-> ()");
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
       "Tensor cos_sin_cache, bool is_neox) -> ()");
@@ -812,6 +899,7 @@ TORCH_LIBRARY_IMPL(rome, CPU, m) {
   m.impl("rope_matrix_", rope_matrix_inplace_cpu);
   m.impl("rope", rope_cpu);
   m.impl("rope_", rope_inplace_cpu);
+  m.impl("rope_out", rope_out_cpu);
   m.impl("rotary_embedding", rotary_embedding_cpu);
   m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
   m.impl("_rope_backward", rope_backward_cpu);
@@ -822,6 +910,7 @@ TORCH_LIBRARY_IMPL(rome, Meta, m) {
   m.impl("rope_matrix_", rope_matrix_inplace_meta);
   m.impl("rope", rope_meta);
   m.impl("rope_", rope_inplace_meta);
+  m.impl("rope_out", rope_out_meta);
   m.impl("rotary_embedding", rotary_embedding_meta);
   m.impl("apply_rotary_emb_interleaved", interleaved_meta);
   m.impl("_rope_backward", rope_backward_meta);
@@ -832,6 +921,7 @@ TORCH_LIBRARY_IMPL(rome, Autograd, m) {
   m.impl("rope_matrix_", rope_matrix_inplace_autograd);
   m.impl("rope", rope_autograd);
   m.impl("rope_", rope_inplace_autograd);
+  m.impl("rope_out", rope_out_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("apply_rotary_emb_interleaved", interleaved_autograd);
 }
@@ -839,6 +929,7 @@ TORCH_LIBRARY_IMPL(rome, Autograd, m) {
 TORCH_LIBRARY_IMPL(rome, ADInplaceOrView, m) {
   m.impl("rope_matrix_", rope_matrix_inplace_view);
   m.impl("rope_", rope_inplace_view);
+  m.impl("rope_out", rope_out_view);
   m.impl("rotary_embedding", rotary_embedding_view);
 }
 

@@ -41,8 +41,18 @@ struct Operand {
   TensorView out;
 };
 
+// Runs body(context, begin, end) over disjoint ranges covering [0, items), on at most `threads`
+// threads, and returns when every range is done. Lets a host run RoME on its own thread pool
+// (the torch front uses at::parallel_for, so RoME follows torch's thread count).
+using RangeBody = void (*)(void* context, std::int64_t begin, std::int64_t end);
+using ParallelFor = void (*)(std::int64_t items, int threads, RangeBody body, void* context);
+
 struct ExecOptions {
-  int num_threads = 0;  // 0: rome::default_num_threads()
+  int num_threads = 0;                 // 0: rome::default_num_threads()
+  ParallelFor parallel_for = nullptr;  // nullptr: RoME's own pool
+  // Tokens per tile of the forward executor (a tile is a run of tokens × every head of q and
+  // k; its table rows are prepared once). 0: sized from the CPU's L2 cache.
+  std::int64_t tile_tokens = 0;
 };
 
 // Rotates q (and k, when given) with one table read per token: each worker loads a token's
@@ -83,5 +93,8 @@ bool isa_compiled(Isa isa) noexcept;  // this build carries kernels for `isa`
 // Threads: ROME_NUM_THREADS, else every core. set_num_threads(0) returns to that default.
 int default_num_threads() noexcept;
 void set_num_threads(int threads);
+// The thread count the user asked RoME for: set_num_threads(), else ROME_NUM_THREADS, else 0
+// (nothing asked: a host such as the torch front then applies its own setting).
+int requested_num_threads() noexcept;
 
 }  // namespace rome

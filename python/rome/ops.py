@@ -74,6 +74,7 @@ def rope(
     column_axis: Optional[Sequence[int]] = None,
     mat_a: Optional[torch.Tensor] = None,
     mat_b: Optional[torch.Tensor] = None,
+    out: Optional[Tuple[torch.Tensor, Optional[torch.Tensor]]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """The general RoME operator: rotates ``q`` and ``k`` in one pass over the tables.
 
@@ -104,11 +105,23 @@ def rope(
             column reads its position from (W entries).
         mat_a, mat_b: [rotary_dim, rotary_dim] matrices for ``rotation="dense"`` or
             ``"dense_forced"``.
+        out: ``(q_out, k_out)`` preallocated outputs (q's and k's shapes and dtypes, last axis
+            contiguous; ``k_out`` None when ``k`` is None). Written in place through
+            ``torch.ops.rome.rope_out``, which allocates nothing: the way to avoid a fresh
+            output (and its page faults) on every call. Inference only.
 
     Returns:
-        ``(q_out, k_out)``; ``k_out`` is an empty tensor of shape [0] when ``k`` is None.
-        Differentiable in q, k, direct cos/sin, mat_a and mat_b.
+        ``(q_out, k_out)``; ``k_out`` is an empty tensor of shape [0] when ``k`` is None (or
+        ``out``'s second entry when given). Differentiable in q, k, direct cos/sin, mat_a and
+        mat_b (without ``out``).
     """
+    if out is not None:
+        q_out, k_out = out
+        torch.ops.rome.rope_out(
+            q, k, cos, sin, q_out, k_out, positions, rotation, _int_list(blocks), int(rotary_dim),
+            table_width, _int_list(column_axis), mat_a, mat_b,
+        )
+        return q_out, k_out
     return torch.ops.rome.rope(
         q, k, cos, sin, positions, rotation, _int_list(blocks), int(rotary_dim), table_width,
         _int_list(column_axis), mat_a, mat_b,

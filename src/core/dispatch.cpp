@@ -7,6 +7,10 @@
 #include "rome/error.hpp"
 #include "thread_pool.hpp"
 
+#if defined(__unix__)
+#include <unistd.h>
+#endif
+
 #if defined(__x86_64__) || defined(_M_X64)
 #include <cpuid.h>
 #if defined(__linux__)
@@ -145,6 +149,10 @@ void check_options(const ExecOptions& options) {
   if (options.num_threads < 0 || options.num_threads > kMaxThreads)
     fail(Status::invalid_argument, "options.num_threads",
          "0 (the default) to " + std::to_string(kMaxThreads), std::to_string(options.num_threads));
+  if (options.tile_tokens < 0 || options.tile_tokens > kMaxTileTokens)
+    fail(Status::invalid_argument, "options.tile_tokens",
+         "0 (sized from the cache) to " + std::to_string(kMaxTileTokens),
+         std::to_string(options.tile_tokens));
 }
 
 void check_environment() {
@@ -156,6 +164,24 @@ void check_environment() {
   if (!valid)
     fail(Status::invalid_argument, "ROME_MAX_ISA", "one of scalar, avx2, avx512, amx",
          std::string("'") + std::getenv("ROME_MAX_ISA") + "'");
+}
+
+const CacheSizes& cache_sizes() noexcept {
+  static const CacheSizes sizes = [] {
+    CacheSizes s{32 << 10, 1 << 20, 8 << 20};
+#if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE) && \
+    defined(_SC_LEVEL3_CACHE_SIZE)
+    auto read = [](int name, std::int64_t& out) {
+      const long v = sysconf(name);
+      if (v > 0) out = v;
+    };
+    read(_SC_LEVEL1_DCACHE_SIZE, s.l1d);
+    read(_SC_LEVEL2_CACHE_SIZE, s.l2);
+    read(_SC_LEVEL3_CACHE_SIZE, s.l3);
+#endif
+    return s;
+  }();
+  return sizes;
 }
 
 int resolve_threads(int requested) noexcept {
@@ -218,6 +244,17 @@ int default_num_threads() noexcept {
     return detail::hardware_threads();
   }();
   return threads;
+}
+
+int requested_num_threads() noexcept {
+  const int configured = detail::configured_threads.load(std::memory_order_relaxed);
+  if (configured > 0) return configured;
+  static const int from_env = [] {
+    const char* env = std::getenv("ROME_NUM_THREADS");
+    const int n = env && *env ? std::atoi(env) : 0;
+    return n > 0 ? n : 0;
+  }();
+  return from_env;
 }
 
 void set_num_threads(int threads) {

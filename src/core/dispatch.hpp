@@ -15,6 +15,12 @@ struct CpuFeatures {
 const CpuFeatures& cpu_features() noexcept;
 
 const kernels::KernelTable& active_kernels() noexcept;
+
+// Data cache sizes in bytes (sysconf, which reads CPUID; typical values where it reports none).
+struct CacheSizes {
+  std::int64_t l1d, l2, l3;
+};
+const CacheSizes& cache_sizes() noexcept;
 int resolve_threads(int requested) noexcept;
 
 // Tests only: run every call on `table` instead of the active ISA's (nullptr: back to normal).
@@ -23,6 +29,7 @@ void override_kernels_for_testing(const kernels::KernelTable* table) noexcept;
 // Throws when the environment asks for something invalid (an unknown ROME_MAX_ISA).
 void check_environment();
 constexpr int kMaxThreads = 4096;
+constexpr std::int64_t kMaxTileTokens = 1 << 20;
 void check_options(const ExecOptions& options);
 
 }  // namespace rome::detail

@@ -4,6 +4,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstdio>
+#include <cstring>
 #include <limits>
 #include <string>
 
@@ -620,6 +621,65 @@ TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* co
     sin[j] = load_any(t.sin + p * t.sin_row * ess, t.dtype_sin, c * t.sin_lane);
   }
   return {cos, sin};
+}
+
+namespace {
+
+// 32-bit lanes that may alias the fp32 tables: sign folding is an xor on their bits.
+typedef std::uint32_t bits32 __attribute__((may_alias));
+
+// out[j] = in[j] ^ signs[j] (signs null: a copy); plain loops the compiler vectorises.
+void fold_signs(const float* in, const std::uint32_t* signs, int64_t n, float* out) {
+  const auto* src = reinterpret_cast<const bits32*>(in);
+  auto* dst = reinterpret_cast<bits32*>(out);
+  if (!signs) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = src[j];
+    return;
+  }
+  for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ signs[j];
+}
+
+// TableLayout::even_odd_16 of a row whose length is a multiple of 16.
+void split_even_odd_16(const float* in, int64_t n, float* out) {
+  for (int64_t k = 0; k < n; k += 16)
+    for (int i = 0; i < 8; ++i) {
+      out[k + i] = in[k + 2 * i];
+      out[k + 8 + i] = in[k + 2 * i + 1];
+    }
+}
+
+}  // namespace
+
+void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens, int64_t stride,
+                        kernels::TableLayout layout, float* cos, float* sin, float* row_cos,
+                        float* row_sin) {
+  const RotationData& r = *plan.rotation;
+  const int64_t rd = r.rotary_dim;
+  const bool fold = r.kind == Rotation::Kind::signed_permutation;
+  const bool even_odd = layout == kernels::TableLayout::even_odd_16;
+  const std::uint32_t* cos_bits = fold && !r.a_identity ? r.cos_sign_bits.data() : nullptr;
+  const std::uint32_t* sin_bits = fold ? r.sin_sign_bits.data() : nullptr;
+  const int last = plan.outer_count - 1;
+  const int64_t first = last >= 0 ? outer[last] : 0;
+  for (int64_t i = 0; i < tokens; ++i) {
+    if (last >= 0) outer[last] = first + i;
+    const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
+    float* c = cos + i * stride;
+    float* s = sin + i * stride;
+    if (even_odd) {
+      // Through the scratch rows (load_table_row may have returned them: fold in place first).
+      fold_signs(row.cos, cos_bits, rd, row_cos);
+      fold_signs(row.sin, sin_bits, rd, row_sin);
+      split_even_odd_16(row_cos, rd, c);
+      split_even_odd_16(row_sin, rd, s);
+    } else {
+      fold_signs(row.cos, cos_bits, rd, c);
+      fold_signs(row.sin, sin_bits, rd, s);
+    }
+    std::fill(c + rd, c + stride, 0.0f);
+    std::fill(s + rd, s + stride, 0.0f);
+  }
+  if (last >= 0) outer[last] = first;
 }
 
 }  // namespace rome::detail

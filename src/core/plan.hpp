@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "../kernels/kernel_api.hpp"
 #include "rome/rope.hpp"
 #include "rotation_data.hpp"
 
@@ -92,5 +93,14 @@ struct TableRow {
   const float* sin;
 };
 TableRow load_table_row(const ForwardPlan& plan, const std::int64_t* outer, float* cos, float* sin);
+
+// The table rows of a tile of `tokens` tokens: token i is the outer index `outer` with its last
+// outer axis advanced by i (outer is restored on return). Rows are `stride` floats (a multiple
+// of 16, at least rotary_dim) with zero padding; for signed permutations the signs of A and B
+// are folded in, and lanes are in the order the kernel asked for (kernel_api.hpp).
+// `row_cos`/`row_sin` are rotary_dim floats of scratch.
+void prepare_table_tile(const ForwardPlan& plan, std::int64_t* outer, std::int64_t tokens,
+                        std::int64_t stride, kernels::TableLayout layout, float* cos, float* sin,
+                        float* row_cos, float* row_sin);
 
 }  // namespace rome::detail

@@ -313,7 +313,7 @@ void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTe
       backward_range(bp, b, e, da, db);
   };
   if (!out.da && !out.db) {
-    detail::parallel_for(items, threads,
+    detail::parallel_for(options, items, threads,
                          [&](std::int64_t b, std::int64_t e) { range(b, e, nullptr, nullptr); });
     return;
   }
@@ -324,7 +324,7 @@ void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTe
       std::max<std::int64_t>(1, std::min({items, std::int64_t(64), budget}));
   std::vector<double> partial_a(out.da ? chunks * matrix : 0),
       partial_b(out.db ? chunks * matrix : 0);
-  detail::parallel_for(chunks, std::min<std::int64_t>(threads, chunks),
+  detail::parallel_for(options, chunks, int(std::min<std::int64_t>(threads, chunks)),
                        [&](std::int64_t b, std::int64_t e) {
                          for (std::int64_t c = b; c < e; ++c)
                            range(items * c / chunks, items * (c + 1) / chunks,

@@ -1,5 +1,12 @@
+// The forward executor. Work is cut into tiles: a run of consecutive tokens (outer indices along
+// the last outer axis) × every head of q and k. Each tile's table rows are expanded once (width,
+// positions gather, signs folded) into a buffer that stays in L1/L2 for all of its heads. Inside a
+// tile each head's rows go to the kernel as one strided run, in the order that walks memory
+// contiguously: BNSD-like layouts take one head at a time over the tile's tokens (a run of
+// several KB), BSND and packed [T, H·D] layouts one token at a time over its heads.
 #include <algorithm>
-#include <vector>
+#include <cstdlib>
+#include <new>
 
 #include "dispatch.hpp"
 #include "plan.hpp"
@@ -12,63 +19,148 @@ namespace {
 
 using detail::ForwardPlan;
 using detail::OperandPlan;
-using kernels::ForwardBatch;
-using kernels::RowRef;
+using kernels::ForwardTile;
 
 // Below this many bytes a call stays on the calling thread: waking a worker costs more than
 // the work (a decode step is a few KiB).
 constexpr std::int64_t kParallelBytes = 256 * 1024;
+constexpr std::int64_t kMaxAutoTileTokens = 512;
 
-struct ForwardJob {
-  const ForwardPlan* plan;
-  kernels::ForwardFn kernel;
-  std::int64_t parts;  // pieces each outer index's rows are cut into
+// Grows on demand, 64-byte aligned, never shrinks: no allocation once warm.
+class TileBuffer {
+ public:
+  ~TileBuffer() { std::free(data_); }
+  float* get(std::size_t floats) {
+    if (floats > size_) {
+      std::free(data_);
+      size_ = (floats + 15) / 16 * 16;
+      data_ = static_cast<float*>(std::aligned_alloc(64, size_ * sizeof(float)));
+      if (!data_) {
+        size_ = 0;
+        throw std::bad_alloc();
+      }
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  std::size_t size_ = 0;
 };
 
-void rotate_rows(const ForwardJob& job, const OperandPlan& op, const std::int64_t* outer,
-                 std::int64_t row_begin, std::int64_t row_end, const detail::TableRow& table) {
+struct Executor {
+  const ForwardPlan* plan;
+  kernels::ForwardFn kernel;
+  std::int64_t line_length;  // tokens along the last outer axis (1 without outer axes)
+  std::int64_t tile_tokens;
+  std::int64_t tiles_per_line;
+  std::int64_t parts;         // ranges each tile's rows are cut into (few tokens, many threads)
+  std::int64_t table_stride;  // floats per prepared table row
+  kernels::TableLayout layout;
+  bool large_output;  // larger than the last-level cache
+
+  std::int64_t items() const { return plan->outer_total / line_length * tiles_per_line * parts; }
+  void run(std::int64_t begin, std::int64_t end) const;
+  void rotate(const OperandPlan& op, const std::int64_t* outer, std::int64_t tokens,
+              std::int64_t row_begin, std::int64_t row_end, const float* cos,
+              const float* sin) const;
+};
+
+// Rows [row_begin, row_end) of one operand over the tile's tokens.
+void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int64_t tokens,
+                      std::int64_t row_begin, std::int64_t row_end, const float* cos,
+                      const float* sin) const {
   if (row_begin >= row_end) return;
-  const ForwardPlan& plan = *job.plan;
-  const std::int64_t es = dtype_size(plan.dtype);
-  std::int64_t in_offset = 0, out_offset = 0;
-  for (int i = 0; i < plan.outer_count; ++i) {
-    in_offset += outer[i] * op.outer_in[i];
-    out_offset += outer[i] * op.outer_out[i];
+  const ForwardPlan& p = *plan;
+  const std::int64_t es = dtype_size(p.dtype);
+  std::int64_t in0 = 0, out0 = 0;
+  for (int i = 0; i < p.outer_count; ++i) {
+    in0 += outer[i] * op.outer_in[i];
+    out0 += outer[i] * op.outer_out[i];
   }
-  RowRef refs[detail::kRowBatch];
-  ForwardBatch batch{
-      table.cos, table.sin,  refs,
-      0,         plan.dtype, !op.in_place && plan.rotation->head_dim > plan.rotation->rotary_dim};
-  detail::walk_rows(op.inner, row_begin, row_end, [&](std::int64_t in, std::int64_t out) {
-    refs[batch.count++] = {op.in_base + (in_offset + in) * es,
-                           op.out_base + (out_offset + out) * es};
-    if (batch.count == detail::kRowBatch) {
-      job.kernel(*plan.rotation, batch);
-      batch.count = 0;
-    }
-  });
-  if (batch.count) job.kernel(*plan.rotation, batch);
+  const int last = p.outer_count - 1;
+  const std::int64_t token_in = last >= 0 ? op.outer_in[last] : 0;
+  const std::int64_t token_out = last >= 0 ? op.outer_out[last] : 0;
+  ForwardTile tile{};
+  tile.cos = cos;
+  tile.sin = sin;
+  tile.dtype = p.dtype;
+  tile.copy_passthrough = !op.in_place && p.rotation->head_dim > p.rotation->rotary_dim;
+  tile.stream = large_output && !op.in_place;
+  const bool head_major =
+      tokens > 1 && (op.inner.count == 0 ||
+                     std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]));
+  if (head_major) {
+    // One call per head: its rows over the tile's tokens, one table row each.
+    tile.table_step = table_stride;
+    tile.count = tokens;
+    tile.x_step = token_in * es;
+    tile.y_step = token_out * es;
+    detail::walk_rows(op.inner, row_begin, row_end, [&](std::int64_t in, std::int64_t out) {
+      tile.x = op.in_base + (in0 + in) * es;
+      tile.y = op.out_base + (out0 + out) * es;
+      kernel(*p.rotation, tile);
+    });
+    return;
+  }
+  // One call per token and run of heads, all on the token's table row.
+  const int inner_last = op.inner.count - 1;
+  tile.x_step = inner_last >= 0 ? op.inner.in_stride[inner_last] * es : 0;
+  tile.y_step = inner_last >= 0 ? op.inner.out_stride[inner_last] * es : 0;
+  for (std::int64_t t = 0; t < tokens; ++t) {
+    tile.cos = cos + t * table_stride;
+    tile.sin = sin + t * table_stride;
+    const std::int64_t in_t = in0 + t * token_in, out_t = out0 + t * token_out;
+    detail::walk_runs(op.inner, row_begin, row_end,
+                      [&](std::int64_t in, std::int64_t out, std::int64_t length) {
+                        tile.x = op.in_base + (in_t + in) * es;
+                        tile.y = op.out_base + (out_t + out) * es;
+                        tile.count = length;
+                        kernel(*p.rotation, tile);
+                      });
+  }
 }
 
-void run_items(const ForwardJob& job, std::int64_t begin, std::int64_t end) {
-  const ForwardPlan& plan = *job.plan;
-  thread_local std::vector<float> cos_buffer, sin_buffer;
-  const auto rd = std::size_t(plan.rotation->rotary_dim);
-  if (cos_buffer.size() < rd) cos_buffer.resize(rd), sin_buffer.resize(rd);
-  const std::int64_t q_rows = plan.q.inner.rows, k_rows = plan.has_k ? plan.k.inner.rows : 0;
+void Executor::run(std::int64_t begin, std::int64_t end) const {
+  const ForwardPlan& p = *plan;
+  thread_local TileBuffer tables, scratch;
+  // sin 1 KiB + 64 bytes after cos's end: their rows never share an address modulo 4 KiB, which
+  // would make loads of one wait on stores to the other (4K aliasing).
+  constexpr std::int64_t kSkew = 272;
+  float* cos = tables.get(std::size_t(2 * tile_tokens * table_stride + kSkew));
+  float* sin = cos + tile_tokens * table_stride + kSkew;
+  const std::int64_t rd = p.rotation->rotary_dim;
+  float* row_cos = scratch.get(std::size_t(2 * rd));
+  float* row_sin = row_cos + rd;
+  const std::int64_t q_rows = p.q.inner.rows, k_rows = p.has_k ? p.k.inner.rows : 0;
   const std::int64_t rows = q_rows + k_rows;
-  std::int64_t outer[kMaxRank];
+  std::int64_t outer[kMaxRank] = {};
+  std::int64_t prepared_tile = -1;
   for (std::int64_t item = begin; item < end; ++item) {
-    const std::int64_t outer_index = item / job.parts, part = item % job.parts;
-    detail::unravel(outer_index, plan.outer_size, plan.outer_count, outer);
-    const detail::TableRow table =
-        detail::load_table_row(plan, outer, cos_buffer.data(), sin_buffer.data());
-    const std::int64_t r0 = rows * part / job.parts, r1 = rows * (part + 1) / job.parts;
-    rotate_rows(job, plan.q, outer, std::min(r0, q_rows), std::min(r1, q_rows), table);
-    if (plan.has_k)
-      rotate_rows(job, plan.k, outer, std::max(r0 - q_rows, std::int64_t(0)),
-                  std::max(r1 - q_rows, std::int64_t(0)), table);
+    const std::int64_t tile_index = item / parts, part = item % parts;
+    const std::int64_t line = tile_index / tiles_per_line;
+    const std::int64_t first = tile_index % tiles_per_line * tile_tokens;
+    const std::int64_t tokens = std::min(tile_tokens, line_length - first);
+    detail::unravel(line * line_length + first, p.outer_size, p.outer_count, outer);
+    if (tile_index != prepared_tile) {
+      detail::prepare_table_tile(p, outer, tokens, table_stride, layout, cos, sin, row_cos,
+                                 row_sin);
+      prepared_tile = tile_index;
+    }
+    const std::int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
+    rotate(p.q, outer, tokens, std::min(r0, q_rows), std::min(r1, q_rows), cos, sin);
+    if (p.has_k)
+      rotate(p.k, outer, tokens, std::max(r0 - q_rows, std::int64_t(0)),
+             std::max(r1 - q_rows, std::int64_t(0)), cos, sin);
   }
+}
+
+// Tokens per tile: the tile's table rows (cos and sin) take a quarter of L2, so they stay there
+// while every head streams past them.
+std::int64_t auto_tile_tokens(std::int64_t table_stride) {
+  const std::int64_t budget = detail::cache_sizes().l2 / 4;
+  return std::clamp<std::int64_t>(budget / (2 * table_stride * std::int64_t(sizeof(float))), 1,
+                                  kMaxAutoTileTokens);
 }
 
 }  // namespace
@@ -82,17 +174,41 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   if (plan.outer_total == 0 || rows == 0) return;
   const kernels::KernelTable& table = detail::active_kernels();
   kernels::ForwardFn kernel = table.forward_permute;
+  kernels::TableLayout layout = kernels::TableLayout::natural;
   if (rotation.kind() == Rotation::Kind::dense)
     kernel = table.forward_dense ? table.forward_dense : kernels::scalar_kernels().forward_dense;
+  else if (table.permute_table_layout)
+    layout = table.permute_table_layout(rotation.data(), plan.dtype);
   int threads = detail::resolve_threads(options.num_threads);
   if (plan.bytes_moved < kParallelBytes) threads = 1;
-  // Few tokens (decode, or tables that vary on every axis but one): cut their rows instead.
-  std::int64_t parts = 1;
-  if (threads > 1 && plan.outer_total < 4 * threads)
-    parts = std::min<std::int64_t>(rows, (4 * threads + plan.outer_total - 1) / plan.outer_total);
-  ForwardJob job{&plan, kernel, parts};
-  detail::parallel_for(plan.outer_total * parts, threads,
-                       [&](std::int64_t b, std::int64_t e) { run_items(job, b, e); });
+
+  Executor ex{};
+  ex.plan = &plan;
+  ex.kernel = kernel;
+  ex.layout = layout;
+  ex.line_length = plan.outer_count > 0 ? plan.outer_size[plan.outer_count - 1] : 1;
+  const std::int64_t lines = plan.outer_total / ex.line_length;
+  ex.table_stride = (rotation.rotary_dim() + 15) / 16 * 16;
+  std::int64_t tile_tokens =
+      options.tile_tokens > 0 ? options.tile_tokens : auto_tile_tokens(ex.table_stride);
+  // Enough tiles for every thread to get several (unless the caller fixed the tile size).
+  const std::int64_t wanted = threads > 1 ? 4 * std::int64_t(threads) : 1;
+  if (options.tile_tokens == 0 &&
+      lines * ((ex.line_length + tile_tokens - 1) / tile_tokens) < wanted) {
+    const std::int64_t per_line = (wanted + lines - 1) / lines;
+    tile_tokens = std::max<std::int64_t>(1, (ex.line_length + per_line - 1) / per_line);
+  }
+  ex.tile_tokens = std::min(tile_tokens, ex.line_length);
+  ex.tiles_per_line = (ex.line_length + ex.tile_tokens - 1) / ex.tile_tokens;
+  // Few tokens (decode): cut each tile's rows instead.
+  const std::int64_t tiles = lines * ex.tiles_per_line;
+  ex.parts = tiles < wanted ? std::min(rows, (wanted + tiles - 1) / tiles) : 1;
+  // Non-temporal stores pay only when the output cannot stay in the last-level cache, and never
+  // in place: there they would evict the lines just read (on some CPUs serialising every line).
+  ex.large_output = plan.bytes_moved / 2 > detail::cache_sizes().l3;
+
+  detail::parallel_for(options, ex.items(), threads,
+                       [&](std::int64_t b, std::int64_t e) { ex.run(b, e); });
 }
 
 }  // namespace rome

@@ -157,6 +157,14 @@ void finish_permutation(RotationData& d) {
   };
   d.avx2 = plans(8, false);
   d.avx512 = plans(16, true);
+  auto sign_bits = [&](const SignedPermutation& p) {
+    std::vector<std::uint32_t> bits(std::size_t(d.rotary_dim), 0u);
+    for (std::size_t j = 0; j < bits.size(); ++j)
+      if (p.sign[j] < 0) bits[j] = 0x80000000u;
+    return bits;
+  };
+  d.cos_sign_bits = sign_bits(d.a);
+  d.sin_sign_bits = sign_bits(d.b);
 }
 
 std::shared_ptr<RotationData> permutation_rotation(std::int64_t dim, SignedPermutation a,

@@ -68,6 +68,10 @@ struct RotationData {
 
   // kind == signed_permutation
   SignedPermutation a, b, a_t, b_t;
+  // rotary_dim lanes each: 0x80000000 where A (for cos) or B (for sin) has a negative sign. The
+  // executor folds them into the table rows it hands to the kernels: (±x)·c == x·(±c) and
+  // fma(±x, s, t) == fma(x, ±s, t) bit for bit, so kernels only move lanes.
+  std::vector<std::uint32_t> cos_sign_bits, sin_sign_bits;
   PermutePlans avx2;    // 8 lanes, one source per step
   PermutePlans avx512;  // 16 lanes, two sources per step
 

@@ -5,8 +5,8 @@
 
 namespace rome::kernels {
 
-void avx2_forward_dense(const detail::RotationData& rotation, const ForwardBatch& batch);
-void avx512_forward_dense(const detail::RotationData& rotation, const ForwardBatch& batch);
+void avx2_forward_dense(const detail::RotationData& rotation, const ForwardTile& tile);
+void avx512_forward_dense(const detail::RotationData& rotation, const ForwardTile& tile);
 void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
                                std::int64_t lda, const float* b, std::int64_t ldb, float* c,
                                std::int64_t ldc);

@@ -1,5 +1,5 @@
-// The contract between the core and the per-ISA kernels. The core validates, plans and splits
-// work; a kernel rotates a batch of rows that share one table row.
+// The contract between the core and the per-ISA kernels. The core validates, plans, splits work
+// into tiles and prepares their table rows; a kernel rotates the rows of one tile.
 #pragma once
 
 #include <cstdint>
@@ -9,22 +9,38 @@
 
 namespace rome::kernels {
 
-struct RowRef {
-  const void* x;
-  void* y;  // may equal x (in place); never partially overlaps another row
-};
-
-struct ForwardBatch {
-  const float* cos;  // rotary_dim contiguous fp32 values
+// A tile: `count` rows of one operand, handed over by the core's executor. Row n reads
+// x + n·x_step and writes y + n·y_step (bytes; y may equal x: in place, never a partial
+// overlap) with the table rows cos + n·table_step and sin + n·table_step (floats; 0: one table
+// row for every row of the tile). Table rows are fp32, 64-byte aligned, padded with zeros to a
+// multiple of 16 floats. For signed permutations the signs of A and B are already folded into
+// them (cos·sign_A, sin·sign_B lane by lane), so the kernel only moves lanes.
+struct ForwardTile {
+  const float* cos;
   const float* sin;
-  const RowRef* rows;
+  std::int64_t table_step;
+  const char* x;
+  char* y;
+  std::int64_t x_step, y_step;
   std::int64_t count;
   DType dtype;            // of x and y
   bool copy_passthrough;  // out of place: copy lanes [rotary_dim, head_dim) from x to y
+  bool stream;            // non-temporal stores where rows are aligned (never set in place)
+
+  const void* x_row(std::int64_t n) const { return x + n * x_step; }
+  void* y_row(std::int64_t n) const { return y + n * y_step; }
+  const float* cos_row(std::int64_t n) const { return cos + n * table_step; }
+  const float* sin_row(std::int64_t n) const { return sin + n * table_step; }
 };
 
-// y = (x·A) ⊙ cos + (x·B) ⊙ sin for every row of the batch; math in fp32, one rounding.
-using ForwardFn = void (*)(const detail::RotationData& rotation, const ForwardBatch& batch);
+// y = (x·A) ⊙ cos + (x·B) ⊙ sin for every row of the tile; math in fp32, one rounding.
+using ForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile);
+
+// The lane order a permute kernel wants its table rows in. even_odd_16: within every 16 lanes
+// the 8 even lanes come first, then the 8 odd ones (a kernel that splits 16 bf16 values into
+// their even and odd halves by shifts and masks, with no permute, reads them that way).
+enum class TableLayout : std::uint8_t { natural, even_odd_16 };
+using TableLayoutFn = TableLayout (*)(const detail::RotationData& rotation, DType dtype);
 
 // c[r·ldc + j] += Σ_{i<k} a[r·lda + i] · b[i·ldb + j] for r < rows, j < n, in fp32: per
 // element one fma per i in ascending i, starting from c's value. Every ISA performs exactly this
@@ -39,6 +55,7 @@ struct KernelTable {
   ForwardFn forward_permute;  // rotation.kind == signed_permutation
   ForwardFn forward_dense;    // rotation.kind == dense; nullptr: use the scalar kernel
   AccumulateProductFn accumulate_product;
+  TableLayoutFn permute_table_layout;  // nullptr: natural
 };
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags.

@@ -48,7 +48,7 @@ void accumulate_product(const TilePackedMatrix& m, std::int64_t tile, bool x_lo,
 }
 
 template <class Tiles, DType D>
-void forward_dense(const RotationData& r, const ForwardBatch& batch) {
+void forward_dense(const RotationData& r, const ForwardTile& tile) {
   using L = Lanes<D, NarrowExact>;
   using T = typename L::T;
   const auto& packs = r.tile_packs();
@@ -67,11 +67,11 @@ void forward_dense(const RotationData& r, const ForwardBatch& batch) {
   std::uint16_t* xl = xh + kTileRows * ks;
   alignas(64) float acc[2][kTileRows * kTileN];  // x·A, x·B of one 16×16 output tile
   Tiles::configure();
-  const bool pass = batch.copy_passthrough && hd > rd;
-  for (std::int64_t first = 0; first < batch.count; first += kTileRows) {
-    const int rows = int(std::min<std::int64_t>(kTileRows, batch.count - first));
+  const bool pass = tile.copy_passthrough && hd > rd;
+  for (std::int64_t first = 0; first < tile.count; first += kTileRows) {
+    const int rows = int(std::min<std::int64_t>(kTileRows, tile.count - first));
     for (int row = 0; row < rows; ++row) {  // all rows read before any write: y may be x
-      const T* x = static_cast<const T*>(batch.rows[first + row].x);
+      const T* x = static_cast<const T*>(tile.x_row(first + row));
       for (std::int64_t j = 0; j < rd; j += kW) {
         const std::int64_t left = rd - j;
         const __mmask16 m = left >= kW ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
@@ -111,32 +111,32 @@ void forward_dense(const RotationData& r, const ForwardBatch& batch) {
         }
         const std::int64_t j = o + u * kTileN, left = o + n - j;
         const __mmask16 m = left >= kW ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
-        const __m512 c = _mm512_maskz_loadu_ps(m, batch.cos + j);
-        const __m512 s = _mm512_maskz_loadu_ps(m, batch.sin + j);
         for (int row = 0; row < rows; ++row) {
+          const __m512 c = _mm512_maskz_loadu_ps(m, tile.cos_row(first + row) + j);
+          const __m512 s = _mm512_maskz_loadu_ps(m, tile.sin_row(first + row) + j);
           const __m512 xa = dense_a ? _mm512_load_ps(acc[0] + row * kTileN)
                                     : _mm512_maskz_loadu_ps(m, X + row * xs + j);
           const __m512 y = combine(xa, c, _mm512_load_ps(acc[1] + row * kTileN), s);
-          L::store(static_cast<T*>(batch.rows[first + row].y) + j, y, m);
+          L::store(static_cast<T*>(tile.y_row(first + row)) + j, y, m);
         }
       }
     }
     if (pass)
       for (int row = 0; row < rows; ++row)
-        copy_bytes(static_cast<T*>(batch.rows[first + row].y) + rd,
-                   static_cast<const T*>(batch.rows[first + row].x) + rd,
+        copy_bytes(static_cast<T*>(tile.y_row(first + row)) + rd,
+                   static_cast<const T*>(tile.x_row(first + row)) + rd,
                    (hd - rd) * std::int64_t(sizeof(T)), false);
   }
   Tiles::release();
 }
 
 template <class Tiles>
-void forward_dense_any(const RotationData& r, const ForwardBatch& batch) {
-  switch (batch.dtype) {
-    case DType::f32: return forward_dense<Tiles, DType::f32>(r, batch);
-    case DType::f16: return forward_dense<Tiles, DType::f16>(r, batch);
-    case DType::bf16: return forward_dense<Tiles, DType::bf16>(r, batch);
-    default: return scalar_kernels().forward_dense(r, batch);
+void forward_dense_any(const RotationData& r, const ForwardTile& tile) {
+  switch (tile.dtype) {
+    case DType::f32: return forward_dense<Tiles, DType::f32>(r, tile);
+    case DType::f16: return forward_dense<Tiles, DType::f16>(r, tile);
+    case DType::bf16: return forward_dense<Tiles, DType::bf16>(r, tile);
+    default: return scalar_kernels().forward_dense(r, tile);
   }
 }
 

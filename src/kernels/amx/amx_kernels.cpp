@@ -58,7 +58,8 @@ struct HardwareTiles {
 
 const KernelTable& amx_kernels() {
   static const KernelTable table{"amx", avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<HardwareTiles>, avx512_accumulate_product};
+                                 amx::forward_dense_any<HardwareTiles>, avx512_accumulate_product,
+                                 avx512_kernels().permute_table_layout};
   return table;
 }
 

@@ -16,7 +16,7 @@ using namespace avx2;
 constexpr int kColumnVectors = 2;  // 16 output columns per tile
 
 template <DType D, int R, bool DenseA>
-void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t first_row,
+void dense_tile(const RotationData& r, const ForwardTile& tile, std::int64_t first_row,
                 const float* X, std::int64_t x_stride) {
   using L = Lanes<D>;
   using T = typename L::T;
@@ -52,13 +52,13 @@ void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t f
       for (int v = 0; v < kColumnVectors; ++v) {
         if (width[v] == 0) continue;
         const std::int64_t j = c0 + v * kW;
-        const __m256 c = _mm256_maskload_ps(batch.cos + j, mask[v]);
-        const __m256 s = _mm256_maskload_ps(batch.sin + j, mask[v]);
         for (int row = 0; row < R; ++row) {
+          const __m256 c = _mm256_maskload_ps(tile.cos_row(first_row + row) + j, mask[v]);
+          const __m256 s = _mm256_maskload_ps(tile.sin_row(first_row + row) + j, mask[v]);
           const __m256 xa =
               DenseA ? acc_a[row][v] : _mm256_maskload_ps(X + row * x_stride + j, mask[v]);
           const __m256 y = combine(xa, c, acc_b[row][v], s);
-          T* out = static_cast<T*>(batch.rows[first_row + row].y) + j;
+          T* out = static_cast<T*>(tile.y_row(first_row + row)) + j;
           if (width[v] == kW)
             L::store(out, y);
           else
@@ -70,7 +70,7 @@ void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t f
 }
 
 template <DType D, bool DenseA>
-void forward_dense_rows(const RotationData& r, const ForwardBatch& batch) {
+void forward_dense_rows(const RotationData& r, const ForwardTile& tile) {
   using L = Lanes<D>;
   using T = typename L::T;
   constexpr int kRows = DenseA ? 2 : 4;  // accumulators: kRows × 2 (× 2 with A) ≤ 8 ymm
@@ -78,36 +78,36 @@ void forward_dense_rows(const RotationData& r, const ForwardBatch& batch) {
   const std::int64_t x_stride = (rd + kW - 1) / kW * kW;
   thread_local Scratch scratch;
   float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(kRows * x_stride)));
-  const bool pass = batch.copy_passthrough && hd > rd;
-  for (std::int64_t first = 0; first < batch.count; first += kRows) {
-    const int rows = int(std::min<std::int64_t>(kRows, batch.count - first));
+  const bool pass = tile.copy_passthrough && hd > rd;
+  for (std::int64_t first = 0; first < tile.count; first += kRows) {
+    const int rows = int(std::min<std::int64_t>(kRows, tile.count - first));
     // Stage the tile's rows in fp32 before any write: a row's y may be its x.
     for (int row = 0; row < rows; ++row) {
-      const T* x = static_cast<const T*>(batch.rows[first + row].x);
+      const T* x = static_cast<const T*>(tile.x_row(first + row));
       for (std::int64_t j = 0; j < rd; j += kW) {
         const int n = int(std::min<std::int64_t>(kW, rd - j));
         _mm256_store_ps(X + row * x_stride + j, n == kW ? L::load(x + j) : L::load(x + j, n));
       }
     }
     if (rows == kRows) {
-      dense_tile<D, kRows, DenseA>(r, batch, first, X, x_stride);
+      dense_tile<D, kRows, DenseA>(r, tile, first, X, x_stride);
     } else {
       for (int row = 0; row < rows; ++row)
-        dense_tile<D, 1, DenseA>(r, batch, first + row, X + row * x_stride, x_stride);
+        dense_tile<D, 1, DenseA>(r, tile, first + row, X + row * x_stride, x_stride);
     }
     if (pass)
       for (int row = 0; row < rows; ++row)
-        std::memcpy(static_cast<T*>(batch.rows[first + row].y) + rd,
-                    static_cast<const T*>(batch.rows[first + row].x) + rd, (hd - rd) * sizeof(T));
+        std::memcpy(static_cast<T*>(tile.y_row(first + row)) + rd,
+                    static_cast<const T*>(tile.x_row(first + row)) + rd, (hd - rd) * sizeof(T));
   }
 }
 
 template <DType D>
-void forward_dense_typed(const RotationData& r, const ForwardBatch& batch) {
+void forward_dense_typed(const RotationData& r, const ForwardTile& tile) {
   if (r.a_identity)
-    forward_dense_rows<D, false>(r, batch);
+    forward_dense_rows<D, false>(r, tile);
   else
-    forward_dense_rows<D, true>(r, batch);
+    forward_dense_rows<D, true>(r, tile);
 }
 
 // R rows of c, 16 columns at a time (masked loads never touch memory past n).
@@ -147,12 +147,12 @@ void avx2_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, 
   for (; r < rows; ++r) product_rows<1>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
 }
 
-void avx2_forward_dense(const RotationData& r, const ForwardBatch& batch) {
-  switch (batch.dtype) {
-    case DType::f32: return forward_dense_typed<DType::f32>(r, batch);
-    case DType::f16: return forward_dense_typed<DType::f16>(r, batch);
-    case DType::bf16: return forward_dense_typed<DType::bf16>(r, batch);
-    default: return scalar_kernels().forward_dense(r, batch);
+void avx2_forward_dense(const RotationData& r, const ForwardTile& tile) {
+  switch (tile.dtype) {
+    case DType::f32: return forward_dense_typed<DType::f32>(r, tile);
+    case DType::f16: return forward_dense_typed<DType::f16>(r, tile);
+    case DType::bf16: return forward_dense_typed<DType::bf16>(r, tile);
+    default: return scalar_kernels().forward_dense(r, tile);
   }
 }
 

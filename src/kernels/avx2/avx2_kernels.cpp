@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <new>
+#include <type_traits>
 #include <vector>
 
 #include "../../core/convert.hpp"
@@ -47,16 +48,13 @@ enum class Kind { pairs, local, half_move, quarter_move, single, move, general }
 struct Work {
   const RotationData* r = nullptr;
   std::int64_t rd = 0, hd = 0, V = 0;
-  int tail = kW;        // lanes of the last vector
-  bool pass = false;    // copy lanes [rd, hd)
-  bool stream = false;  // non-temporal stores for 64-byte aligned rows
-  std::int64_t pf_bytes = 0, pf_offset = 0;
-  int xor_k = 0;             // half / quarter move: output vector v is input vector v ^ xor_k
-  const float* C = nullptr;  // cos, sin with the signs of A, B folded in
-  const float* S = nullptr;
-  float* X = nullptr;                   // the row in fp32 (general)
-  const __m256i* idx = nullptr;         // local / single: per output vector
-  const __m256* mask = nullptr;         // local / single: lanes with a source (blend mask)
+  int tail = kW;                 // lanes of the last vector
+  bool pass = false;             // copy lanes [rd, hd)
+  bool stream = false;           // non-temporal stores for 64-byte aligned rows
+  int xor_k = 0;                 // half / quarter move: output vector v is input vector v ^ xor_k
+  float* X = nullptr;            // the row in fp32 (general)
+  const __m256i* idx = nullptr;  // local / single: per output vector
+  const __m256* mask = nullptr;  // local / single: lanes with a source (blend mask)
   const std::int32_t* src = nullptr;    // single / move: first element of the source vector
   const std::int32_t* src_n = nullptr;  // lanes of the source vector that exist
   const __m256* a_masks = nullptr;      // general: per plan step
@@ -67,13 +65,19 @@ ROME_INLINE int lanes_of(const Work& w, std::int64_t v) {
   return v == w.V - 1 ? w.tail : kW;
 }
 
-ROME_INLINE void prefetch_ahead(const Work& w, const void* x, void* y) {
-  const char* px = static_cast<const char*>(x) + w.pf_offset;
-  const char* py = static_cast<const char*>(y) + w.pf_offset;
-  for (std::int64_t b = 0; b < w.pf_bytes; b += 64) {
-    _mm_prefetch(px + b, _MM_HINT_T0);
-    if (!w.stream) __asm__ volatile("prefetchw %0" ::"m"(*(py + b)));
-  }
+// One row of a tile: its x, y and table rows (signs folded in, padded to whole vectors).
+template <typename L>
+struct Row {
+  const typename L::T* x;
+  typename L::T* y;
+  const float* C;
+  const float* S;
+};
+
+template <typename L>
+ROME_INLINE Row<L> row_of(const ForwardTile& tile, std::int64_t n) {
+  return {static_cast<const typename L::T*>(tile.x_row(n)),
+          static_cast<typename L::T*>(tile.y_row(n)), tile.cos_row(n), tile.sin_row(n)};
 }
 
 template <typename L>
@@ -82,8 +86,9 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
     copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
 }
 
-ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const Work& w, std::int64_t v) {
-  return avx2::combine(xa, _mm256_load_ps(w.C + kW * v), xb, _mm256_load_ps(w.S + kW * v));
+template <typename L>
+ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const Row<L>& row, std::int64_t v) {
+  return avx2::combine(xa, _mm256_load_ps(row.C + kW * v), xb, _mm256_load_ps(row.S + kW * v));
 }
 
 template <typename L>
@@ -105,42 +110,36 @@ ROME_INLINE void put(const Work& w, bool stream, typename L::T* y, std::int64_t 
 
 // pairs / local: each output vector from its own input vector.
 template <typename L, bool kPairs>
-ROME_INLINE void rows_local(const Work& w, const ForwardBatch& batch) {
-  using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
-    const bool stream = streaming_row<L>(w, y);
+ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t v = 0; v < w.V; ++v) {
-      const __m256 xv = L::load(x + kW * v, lanes_of(w, v));
+      const __m256 xv = L::load(row.x + kW * v, lanes_of(w, v));
       const __m256 xb = kPairs ? _mm256_permute_ps(xv, 0xb1)
                                : _mm256_and_ps(_mm256_permutevar8x32_ps(xv, w.idx[v]), w.mask[v]);
-      put<L>(w, stream, y, v, combine(xv, xb, w, v));
+      put<L>(w, stream, row.y, v, combine(xv, xb, row, v));
     }
-    pass_through<L>(w, x, y);
+    pass_through<L>(w, row.x, row.y);
   }
 }
 
 // half / quarter move: vectors v and v ^ K swap roles; both are read before either is written.
 template <typename L>
-ROME_INLINE void rows_xor_move(const Work& w, const ForwardBatch& batch) {
-  using T = typename L::T;
+ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
   const int K = w.xor_k;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
-    const bool stream = streaming_row<L>(w, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t v = 0; v < w.V; ++v) {
       if (v & K) continue;
       const std::int64_t u = v ^ K;
-      const __m256 a = L::load(x + kW * v), b = L::load(x + kW * u);
-      const __m256 out_v = combine(a, b, w, v), out_u = combine(b, a, w, u);
-      put<L>(w, stream, y, v, out_v);
-      put<L>(w, stream, y, u, out_u);
+      const __m256 a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
+      const __m256 out_v = combine(a, b, row, v), out_u = combine(b, a, row, u);
+      put<L>(w, stream, row.y, v, out_v);
+      put<L>(w, stream, row.y, u, out_u);
     }
-    pass_through<L>(w, x, y);
+    pass_through<L>(w, row.x, row.y);
   }
 }
 
@@ -159,7 +158,9 @@ ROME_INLINE __m256 permute_vector(const PermuteStep* steps, const __m256* masks,
 }
 
 template <typename L>
-ROME_INLINE void row_general(const Work& w, const typename L::T* x, typename L::T* y) {
+ROME_INLINE void row_general(const Work& w, const Row<L>& row) {
+  const typename L::T* x = row.x;
+  typename L::T* y = row.y;
   const RotationData& r = *w.r;
   const VectorPermutePlan& pa = r.avx2.a;
   const VectorPermutePlan& pb = r.avx2.b;
@@ -173,57 +174,171 @@ ROME_INLINE void row_general(const Work& w, const typename L::T* x, typename L::
     const __m256 xa = r.a_identity ? _mm256_load_ps(X + kW * v)
                                    : permute_vector(pa.steps.data(), w.a_masks, pa.step_begin[v],
                                                     pa.step_begin[v + 1], X);
-    put<L>(w, stream, y, v, combine(xa, xb, w, v));
+    put<L>(w, stream, y, v, combine(xa, xb, row, v));
   }
 }
 
 template <typename L, bool kMove>
-ROME_INLINE void row_single(const Work& w, const typename L::T* x, typename L::T* y) {
-  const bool stream = streaming_row<L>(w, y);
+ROME_INLINE void row_single(const Work& w, const Row<L>& row) {
+  const bool stream = streaming_row<L>(w, row.y);
   for (std::int64_t v = 0; v < w.V; ++v) {
-    const __m256 xs = L::load(x + w.src[v], w.src_n[v]);
+    const __m256 xs = L::load(row.x + w.src[v], w.src_n[v]);
     const __m256 xb = kMove ? xs : _mm256_and_ps(_mm256_permutevar8x32_ps(xs, w.idx[v]), w.mask[v]);
-    put<L>(w, stream, y, v, combine(L::load(x + kW * v, lanes_of(w, v)), xb, w, v));
+    put<L>(w, stream, row.y, v, combine(L::load(row.x + kW * v, lanes_of(w, v)), xb, row, v));
   }
 }
 
 template <typename L>
-ROME_INLINE void rows_general(const Work& w, const ForwardBatch& batch) {
-  using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
-    row_general<L>(w, x, y);
-    pass_through<L>(w, x, y);
+ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    row_general<L>(w, row);
+    pass_through<L>(w, row.x, row.y);
   }
 }
 
 template <typename L, bool kMove>
-ROME_INLINE void rows_single(const Work& w, const ForwardBatch& batch) {
-  using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
-    if (static_cast<const void*>(x) == static_cast<const void*>(y))
-      row_general<L>(w, x, y);
+ROME_INLINE void rows_single(const Work& w, const ForwardTile& tile) {
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    if (static_cast<const void*>(row.x) == static_cast<const void*>(row.y))
+      row_general<L>(w, row);
     else
-      row_single<L, kMove>(w, x, y);
-    pass_through<L>(w, x, y);
+      row_single<L, kMove>(w, row);
+    pass_through<L>(w, row.x, row.y);
   }
 }
 
+// bf16 rows, 16 lanes at a time without any permute: the 16 values of one 32-byte load split
+// into their even lanes (shifted up) and odd lanes (masked), and the tables come in that order
+// (TableLayout::even_odd_16). Interleave pairs an even lane with the odd lane beside it; half
+// and quarter pair chunk c with chunk c ^ K. The outputs are rounded as Bf16::narrow does and
+// merged back by a shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle.
+struct EvenOdd {
+  __m256 even, odd;
+};
+
+ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))))};
+}
+
+// fp32 lanes rounded to bf16 in their upper 16 bits (Bf16::narrow before its shift).
+ROME_INLINE __m256i round_bf16_high(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// Round-to-nearest-even of lanes that are not NaN (Bf16::narrow without its NaN case).
+ROME_INLINE __m256i round_bf16_high_not_nan(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+}
+
+// avx2::combine without its guard for a non-finite xa·c. Where the guard matters (xa·c is inf
+// or NaN) this returns NaN, and where it returns no NaN it equals avx2::combine bit for bit:
+// then p = xa·c is finite, so e = fma(xa, c, -p) is too and nothing was guarded.
+ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+  const __m256 p = _mm256_mul_ps(xa, c);
+  return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
+}
+
+ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w, bool stream) {
+  if (stream)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), w);
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
+}
+
+// Output chunk c from input chunks c (a) and its partner (b): y = a·C + b'·S, where b' is b
+// (half, quarter) or a with even and odd swapped (interleave). The fast path skips both NaN
+// guards (the epilogue's and the rounding's); a chunk with a NaN among its results, which is
+// exactly where a guard can matter, is redone the exact way.
+template <bool kPairs>
+ROME_INLINE void bf16_chunk(const EvenOdd& a, const EvenOdd& b, const float* C, const float* S,
+                            std::uint16_t* y, bool stream) {
+  const __m256 b_even = kPairs ? a.odd : b.even, b_odd = kPairs ? a.even : b.odd;
+  const __m256 c_even = _mm256_load_ps(C), c_odd = _mm256_load_ps(C + kW);
+  const __m256 s_even = _mm256_load_ps(S), s_odd = _mm256_load_ps(S + kW);
+  __m256 even = combine_unguarded(a.even, c_even, b_even, s_even);
+  __m256 odd = combine_unguarded(a.odd, c_odd, b_odd, s_odd);
+  const __m256 nan =
+      _mm256_or_ps(_mm256_cmp_ps(even, even, _CMP_UNORD_Q), _mm256_cmp_ps(odd, odd, _CMP_UNORD_Q));
+  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
+  if (__builtin_expect(_mm256_testz_ps(nan, nan), 1)) {
+    store_bf16(y,
+               _mm256_or_si256(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
+                               _mm256_and_si256(round_bf16_high_not_nan(odd), high)),
+               stream);
+    return;
+  }
+  even = avx2::combine(a.even, c_even, b_even, s_even);
+  odd = avx2::combine(a.odd, c_odd, b_odd, s_odd);
+  store_bf16(y,
+             _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
+                             _mm256_and_si256(round_bf16_high(odd), high)),
+             stream);
+}
+
 template <typename L>
-ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_bf16_pairs(const Work& w, const ForwardTile& tile) {
+  const std::int64_t chunks = w.rd / 16;
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const bool stream = streaming_row<L>(w, row.y);
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      const EvenOdd a = split_bf16(row.x + 16 * c);
+      bf16_chunk<true>(a, a, row.C + 16 * c, row.S + 16 * c, row.y + 16 * c, stream);
+    }
+    pass_through<L>(w, row.x, row.y);
+  }
+}
+
+// Chunks c and c ^ K swap roles; both are read before either is written (in place safe).
+template <typename L>
+ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
+  const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const bool stream = streaming_row<L>(w, row.y);
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      if (c & K) continue;
+      const std::int64_t d = c ^ K;
+      const EvenOdd a = split_bf16(row.x + 16 * c), b = split_bf16(row.x + 16 * d);
+      bf16_chunk<false>(a, b, row.C + 16 * c, row.S + 16 * c, row.y + 16 * c, stream);
+      bf16_chunk<false>(b, a, row.C + 16 * d, row.S + 16 * d, row.y + 16 * d, stream);
+    }
+    pass_through<L>(w, row.x, row.y);
+  }
+}
+
+// Whether bf16 rows of this kind run 16 lanes at a time on even/odd tables.
+bool even_odd_kind(Kind kind, std::int64_t rd, int xor_k) {
+  if (kind == Kind::pairs) return rd % 16 == 0;
+  if (kind == Kind::half_move || kind == Kind::quarter_move) return xor_k % 2 == 0;
+  return false;
+}
+
+template <typename L>
+ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile) {
+  if constexpr (std::is_same_v<L, Lanes<DType::bf16>>) {
+    if (even_odd_kind(kind, w.rd, w.xor_k))
+      return kind == Kind::pairs ? rows_bf16_pairs<L>(w, tile) : rows_bf16_xor<L>(w, tile);
+  }
   switch (kind) {
-    case Kind::pairs: return rows_local<L, true>(w, batch);
-    case Kind::local: return rows_local<L, false>(w, batch);
+    case Kind::pairs: return rows_local<L, true>(w, tile);
+    case Kind::local: return rows_local<L, false>(w, tile);
     case Kind::half_move:
-    case Kind::quarter_move: return rows_xor_move<L>(w, batch);
-    case Kind::single: return rows_single<L, false>(w, batch);
-    case Kind::move: return rows_single<L, true>(w, batch);
-    case Kind::general: return rows_general<L>(w, batch);
+    case Kind::quarter_move: return rows_xor_move<L>(w, tile);
+    case Kind::single: return rows_single<L, false>(w, tile);
+    case Kind::move: return rows_single<L, true>(w, tile);
+    case Kind::general: return rows_general<L>(w, tile);
   }
 }
 
@@ -350,73 +465,47 @@ class Prepared {
 };
 
 struct ThreadState {
-  Runs runs;
-  Scratch scratch;  // C, S, X of rows longer than the stack buffer
+  Scratch scratch;  // X of rows longer than the stack buffer
   Prepared prepared;
 };
 thread_local ThreadState t_state;
 
-template <DType D>
-void forward_permute(const RotationData& r, const ForwardBatch& batch) {
-  using L = Lanes<D>;
-  if (batch.count <= 0) return;
-  const VectorPermutePlan& pa = r.avx2.a;
-  const VectorPermutePlan& pb = r.avx2.b;
-  if (!r.a_identity) {
-    for (std::int64_t j = 0; j < r.rotary_dim; ++j)
-      if (pa.keep_bits[j] == 0) return scalar_kernels().forward_permute(r, batch);
-  }
+Work work_for(const RotationData& r) {
   Work w;
   w.r = &r;
   w.rd = r.rotary_dim;
   w.hd = r.head_dim;
   w.V = (w.rd + kW - 1) / kW;
   w.tail = w.rd % kW ? int(w.rd % kW) : kW;
-  w.pass = batch.copy_passthrough && w.hd > w.rd;
-  const std::int64_t es = sizeof(typename L::T);
-  ThreadState& state = t_state;
-  const Traffic traffic = estimate_traffic(batch, w.hd * es, state.runs);
-  w.stream = traffic.stream;
-  if (traffic.prefetch) {
-    w.pf_bytes = (w.pass ? w.hd : w.rd) * es;
-    w.pf_offset = (traffic.contiguous ? kPrefetchRowsContiguous : kPrefetchRows) * w.hd * es;
-    for (std::int64_t j = 0; j < w.rd; j += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(batch.cos + kPrefetchRows * w.rd + j),
-                   _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(batch.sin + kPrefetchRows * w.rd + j),
-                   _MM_HINT_T0);
-    }
-  }
+  return w;
+}
 
-  // Per batch: C, S, X (V·8 floats each). The permute data comes from the thread's cache.
-  const std::int64_t V = w.V;
+TableLayout table_layout(const RotationData& r, DType dtype) {
+  if (dtype != DType::bf16 || r.kind != Rotation::Kind::signed_permutation)
+    return TableLayout::natural;
+  Work w = work_for(r);
+  Prepared& prepared = t_state.prepared;
+  prepared.update(r, w);
+  return even_odd_kind(prepared.kind, w.rd, prepared.xor_k) ? TableLayout::even_odd_16
+                                                            : TableLayout::natural;
+}
+
+template <DType D>
+void forward_permute(const RotationData& r, const ForwardTile& tile) {
+  using L = Lanes<D>;
+  if (tile.count <= 0) return;
+  Work w = work_for(r);
+  w.pass = tile.copy_passthrough && w.hd > w.rd;
+  w.stream = tile.stream;
+  ThreadState& state = t_state;
+  // X: the row widened to fp32 (general rows); the permute data comes from the thread's cache.
   constexpr std::int64_t kStackVectors = 32;
-  alignas(64) float stack[3 * kStackVectors * kW];
-  float* C = V <= kStackVectors
-                 ? stack
-                 : static_cast<float*>(state.scratch.get(std::size_t(3 * V * kW) * sizeof(float)));
-  float* S = C + V * kW;
-  w.X = S + V * kW;
-  w.C = C;
-  w.S = S;
-  {
-    const float* cos = batch.cos;
-    const float* sin = batch.sin;
-    const auto* a_signs = reinterpret_cast<const float*>(pa.sign_bits.data());
-    const auto* b_signs = reinterpret_cast<const float*>(pb.sign_bits.data());
-    const bool a_identity = r.a_identity;
-    for (std::int64_t v = 0; v < V; ++v) {
-      const int n = lanes_of(w, v);
-      __m256 c = Lanes<DType::f32>::load(cos + kW * v, n);
-      const __m256 s = Lanes<DType::f32>::load(sin + kW * v, n);
-      if (!a_identity) c = _mm256_xor_ps(c, _mm256_loadu_ps(a_signs + kW * v));
-      _mm256_store_ps(C + kW * v, c);
-      _mm256_store_ps(S + kW * v, _mm256_xor_ps(s, _mm256_loadu_ps(b_signs + kW * v)));
-    }
-  }
+  alignas(64) float stack[kStackVectors * kW];
+  w.X = w.V <= kStackVectors
+            ? stack
+            : static_cast<float*>(state.scratch.get(std::size_t(w.V * kW) * sizeof(float)));
   Prepared& prepared = state.prepared;
   prepared.update(r, w);
-  const Kind kind = prepared.kind;
   w.xor_k = prepared.xor_k;
   w.idx = prepared.idx;
   w.mask = prepared.mask;
@@ -424,12 +513,12 @@ void forward_permute(const RotationData& r, const ForwardBatch& batch) {
   w.src_n = prepared.src_n;
   w.a_masks = prepared.a_masks;
   w.b_masks = prepared.b_masks;
-  dispatch_rows<L>(kind, w, batch);
-  // Non-temporal stores are weakly ordered: make them visible before the batch is reported done.
+  dispatch_rows<L>(prepared.kind, w, tile);
+  // Non-temporal stores are weakly ordered: make them visible before the tile is reported done.
   if (w.stream) _mm_sfence();
 }
 
-void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
+void forward_permute_any(const RotationData& r, const ForwardTile& b) {
   switch (b.dtype) {
     case DType::f32: return forward_permute<DType::f32>(r, b);
     case DType::f16: return forward_permute<DType::f16>(r, b);
@@ -442,7 +531,7 @@ void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
 
 const KernelTable& avx2_kernels() {
   static const KernelTable table{"avx2", forward_permute_any, avx2_forward_dense,
-                                 avx2_accumulate_product};
+                                 avx2_accumulate_product, table_layout};
   return table;
 }
 

@@ -63,7 +63,8 @@ struct EmulatedTiles {
 
 const KernelTable& amx_emulated_kernels() {
   static const KernelTable table{"amx-emulated", avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<EmulatedTiles>, avx512_accumulate_product};
+                                 amx::forward_dense_any<EmulatedTiles>, avx512_accumulate_product,
+                                 avx512_kernels().permute_table_layout};
   return table;
 }
 

@@ -17,7 +17,7 @@ constexpr int kColumnVectors = 2;  // 32 output columns per tile
 
 // Output columns [c0, c0 + CV·16) of one block (masked past `end`) for R rows.
 template <DType D, int R, bool DenseA, int CV>
-ROME_INLINE void dense_columns(const RotationData& r, const ForwardBatch& batch,
+ROME_INLINE void dense_columns(const RotationData& r, const ForwardTile& tile,
                                std::int64_t first_row, const float* X, std::int64_t x_stride,
                                std::int64_t begin, std::int64_t end, std::int64_t c0) {
   using L = Lanes<D, NarrowExact>;
@@ -52,13 +52,13 @@ ROME_INLINE void dense_columns(const RotationData& r, const ForwardBatch& batch,
   for (int v = 0; v < CV; ++v) {
     if (!mask[v]) continue;
     const std::int64_t j = c0 + v * kW;
-    const __m512 c = _mm512_maskz_loadu_ps(mask[v], batch.cos + j);
-    const __m512 s = _mm512_maskz_loadu_ps(mask[v], batch.sin + j);
     for (int row = 0; row < R; ++row) {
+      const __m512 c = _mm512_maskz_loadu_ps(mask[v], tile.cos_row(first_row + row) + j);
+      const __m512 s = _mm512_maskz_loadu_ps(mask[v], tile.sin_row(first_row + row) + j);
       const __m512 xa =
           DenseA ? acc_a[row][v] : _mm512_maskz_loadu_ps(mask[v], X + row * x_stride + j);
       const __m512 y = combine(xa, c, acc_b[row][v], s);
-      L::store(static_cast<T*>(batch.rows[first_row + row].y) + j, y, mask[v]);
+      L::store(static_cast<T*>(tile.y_row(first_row + row)) + j, y, mask[v]);
     }
   }
 }
@@ -66,19 +66,19 @@ ROME_INLINE void dense_columns(const RotationData& r, const ForwardBatch& batch,
 // Per diagonal block: 32-column tiles, and a 16-column tile for a tail of at most 16 (a 44-lane
 // block is 32 + 16, not 32 + 32 with a wholly masked vector).
 template <DType D, int R, bool DenseA>
-void dense_tile(const RotationData& r, const ForwardBatch& batch, std::int64_t first_row,
+void dense_tile(const RotationData& r, const ForwardTile& tile, std::int64_t first_row,
                 const float* X, std::int64_t x_stride) {
   for (const auto& block : r.dense_blocks) {
     const std::int64_t begin = block.offset, end = block.offset + block.size;
     std::int64_t c0 = begin;
     for (; end - c0 > kW; c0 += kColumnVectors * kW)
-      dense_columns<D, R, DenseA, kColumnVectors>(r, batch, first_row, X, x_stride, begin, end, c0);
-    if (c0 < end) dense_columns<D, R, DenseA, 1>(r, batch, first_row, X, x_stride, begin, end, c0);
+      dense_columns<D, R, DenseA, kColumnVectors>(r, tile, first_row, X, x_stride, begin, end, c0);
+    if (c0 < end) dense_columns<D, R, DenseA, 1>(r, tile, first_row, X, x_stride, begin, end, c0);
   }
 }
 
 template <DType D, bool DenseA>
-void forward_dense_rows(const RotationData& r, const ForwardBatch& batch) {
+void forward_dense_rows(const RotationData& r, const ForwardTile& tile) {
   using L = Lanes<D, NarrowExact>;
   using T = typename L::T;
   constexpr int kRows = DenseA ? 4 : 8;  // accumulators: kRows × 2 (× 2 with A) ≤ 16 zmm
@@ -86,12 +86,12 @@ void forward_dense_rows(const RotationData& r, const ForwardBatch& batch) {
   const std::int64_t x_stride = (rd + kW - 1) / kW * kW;
   thread_local Scratch scratch;
   float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(kRows * x_stride)));
-  const bool pass = batch.copy_passthrough && hd > rd;
-  for (std::int64_t first = 0; first < batch.count; first += kRows) {
-    const int rows = int(std::min<std::int64_t>(kRows, batch.count - first));
+  const bool pass = tile.copy_passthrough && hd > rd;
+  for (std::int64_t first = 0; first < tile.count; first += kRows) {
+    const int rows = int(std::min<std::int64_t>(kRows, tile.count - first));
     // Stage the tile's rows in fp32 before any write: a row's y may be its x.
     for (int row = 0; row < rows; ++row) {
-      const T* x = static_cast<const T*>(batch.rows[first + row].x);
+      const T* x = static_cast<const T*>(tile.x_row(first + row));
       for (std::int64_t j = 0; j < rd; j += kW) {
         const std::int64_t left = rd - j;
         const __mmask16 m = left >= kW ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
@@ -99,25 +99,25 @@ void forward_dense_rows(const RotationData& r, const ForwardBatch& batch) {
       }
     }
     switch (rows) {
-      case kRows: dense_tile<D, kRows, DenseA>(r, batch, first, X, x_stride); break;
+      case kRows: dense_tile<D, kRows, DenseA>(r, tile, first, X, x_stride); break;
       default:
         for (int row = 0; row < rows; ++row)
-          dense_tile<D, 1, DenseA>(r, batch, first + row, X + row * x_stride, x_stride);
+          dense_tile<D, 1, DenseA>(r, tile, first + row, X + row * x_stride, x_stride);
     }
     if (pass)
       for (int row = 0; row < rows; ++row)
-        copy_bytes(static_cast<T*>(batch.rows[first + row].y) + rd,
-                   static_cast<const T*>(batch.rows[first + row].x) + rd,
+        copy_bytes(static_cast<T*>(tile.y_row(first + row)) + rd,
+                   static_cast<const T*>(tile.x_row(first + row)) + rd,
                    (hd - rd) * std::int64_t(sizeof(T)), false);
   }
 }
 
 template <DType D>
-void forward_dense_typed(const RotationData& r, const ForwardBatch& batch) {
+void forward_dense_typed(const RotationData& r, const ForwardTile& tile) {
   if (r.a_identity)
-    forward_dense_rows<D, false>(r, batch);
+    forward_dense_rows<D, false>(r, tile);
   else
-    forward_dense_rows<D, true>(r, batch);
+    forward_dense_rows<D, true>(r, tile);
 }
 
 // R rows of c, 32 columns at a time: the accumulators stay in registers while b's row i is
@@ -161,12 +161,12 @@ void avx512_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n
   for (; r < rows; ++r) product_rows<1>(k, n, a + r * lda, lda, b, ldb, c + r * ldc, ldc);
 }
 
-void avx512_forward_dense(const RotationData& r, const ForwardBatch& batch) {
-  switch (batch.dtype) {
-    case DType::f32: return forward_dense_typed<DType::f32>(r, batch);
-    case DType::f16: return forward_dense_typed<DType::f16>(r, batch);
-    case DType::bf16: return forward_dense_typed<DType::bf16>(r, batch);
-    default: return scalar_kernels().forward_dense(r, batch);
+void avx512_forward_dense(const RotationData& r, const ForwardTile& tile) {
+  switch (tile.dtype) {
+    case DType::f32: return forward_dense_typed<DType::f32>(r, tile);
+    case DType::f16: return forward_dense_typed<DType::f16>(r, tile);
+    case DType::bf16: return forward_dense_typed<DType::bf16>(r, tile);
+    default: return scalar_kernels().forward_dense(r, tile);
   }
 }
 

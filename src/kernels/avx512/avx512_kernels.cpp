@@ -69,12 +69,9 @@ enum class Kind {
 struct Work {
   const RotationData* r = nullptr;
   std::int64_t rd = 0, hd = 0, V = 0;
-  __mmask16 tail = 0xffff;                   // lanes of the last vector
-  bool pass = false;                         // copy lanes [rd, hd)
-  bool stream = false;                       // non-temporal stores for 64-byte aligned rows
-  std::int64_t pf_bytes = 0, pf_offset = 0;  // prefetch pf_bytes at pf_offset past each row
-  const float* C = nullptr;                  // cos, sin with the signs of A, B folded in
-  const float* S = nullptr;
+  __mmask16 tail = 0xffff;              // lanes of the last vector
+  bool pass = false;                    // copy lanes [rd, hd)
+  bool stream = false;                  // non-temporal stores for 64-byte aligned rows
   float* X = nullptr;                   // the row in fp32 (general rows of other sizes)
   const __m512i* idx = nullptr;         // local / single: per output vector
   const std::int32_t* src = nullptr;    // single / move: first element of the source vector
@@ -92,14 +89,19 @@ ROME_INLINE __mmask16 lanes_of(const Work& w, std::int64_t v) {
   return v == w.V - 1 ? w.tail : __mmask16(0xffff);
 }
 
-// The same head a few tokens later in a [.., S, D] layout; rows a little further on otherwise.
-ROME_INLINE void prefetch_ahead(const Work& w, const void* x, void* y) {
-  const char* px = static_cast<const char*>(x) + w.pf_offset;
-  const char* py = static_cast<const char*>(y) + w.pf_offset;
-  for (std::int64_t b = 0; b < w.pf_bytes; b += 64) {
-    _mm_prefetch(px + b, _MM_HINT_T0);
-    if (!w.stream) __asm__ volatile("prefetchw %0" ::"m"(*(py + b)));
-  }
+// One row of a tile: its x, y and table rows (signs folded in, padded to whole vectors).
+template <typename L>
+struct Row {
+  const typename L::T* x;
+  typename L::T* y;
+  const float* C;
+  const float* S;
+};
+
+template <typename L>
+ROME_INLINE Row<L> row_of(const ForwardTile& tile, std::int64_t n) {
+  return {static_cast<const typename L::T*>(tile.x_row(n)),
+          static_cast<typename L::T*>(tile.y_row(n)), tile.cos_row(n), tile.sin_row(n)};
 }
 
 template <typename L>
@@ -108,8 +110,9 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
     copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
 }
 
-ROME_INLINE __m512 combine(__m512 xa, __m512 xb, const Work& w, std::int64_t v) {
-  return avx512::combine(xa, _mm512_load_ps(w.C + kW * v), xb, _mm512_load_ps(w.S + kW * v));
+template <typename L>
+ROME_INLINE __m512 combine(__m512 xa, __m512 xb, const Row<L>& row, std::int64_t v) {
+  return avx512::combine(xa, _mm512_load_ps(row.C + kW * v), xb, _mm512_load_ps(row.S + kW * v));
 }
 
 // Stores a full row of VC vectors, non-temporally when streaming and aligned.
@@ -149,12 +152,12 @@ ROME_INLINE void store_row(const Work& w, typename L::T* y, const __m512* out) {
 
 // pairs / local: each output vector from its own input vector.
 template <typename L, int VC, bool kPairs>
-ROME_INLINE void rows_local(const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const T* x = row.x;
+    T* y = row.y;
     auto permute = [&](__m512 xv, std::int64_t v) {
       return kPairs ? _mm512_permute_ps(xv, 0xb1)
                     : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xv);
@@ -164,14 +167,14 @@ ROME_INLINE void rows_local(const Work& w, const ForwardBatch& batch) {
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) {
         const __m512 xv = L::load(x + kW * v);
-        out[v] = combine(xv, permute(xv, v), w, v);
+        out[v] = combine(xv, permute(xv, v), row, v);
       }
       store_row<L, VC>(w, y, out);
     } else {
       for (std::int64_t v = 0; v < w.V; ++v) {
         const __mmask16 m = lanes_of(w, v);
         const __m512 xv = L::load(x + kW * v, m);
-        L::store(y + kW * v, combine(xv, permute(xv, v), w, v), m);
+        L::store(y + kW * v, combine(xv, permute(xv, v), row, v), m);
       }
     }
     pass_through<L>(w, x, y);
@@ -180,17 +183,17 @@ ROME_INLINE void rows_local(const Work& w, const ForwardBatch& batch) {
 
 // half / quarter move with the rotary dim known: output vector v is input vector v ^ K.
 template <typename L, int VC, int K>
-ROME_INLINE void rows_xor_move(const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const T* x = row.x;
+    T* y = row.y;
     __m512 in[VC], out[VC];
 #pragma GCC unroll 16
     for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
 #pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) out[v] = combine(in[v], in[v ^ K], w, v);
+    for (int v = 0; v < VC; ++v) out[v] = combine(in[v], in[v ^ K], row, v);
     store_row<L, VC>(w, y, out);
     pass_through<L>(w, x, y);
   }
@@ -199,18 +202,18 @@ ROME_INLINE void rows_xor_move(const Work& w, const ForwardBatch& batch) {
 // single / move with the rotary dim known: sources re-read from x; the row is stored after all
 // of it is computed, so in place is safe.
 template <typename L, int VC, bool kMove>
-ROME_INLINE void rows_single_fixed(const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_single_fixed(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const T* x = row.x;
+    T* y = row.y;
     __m512 out[VC];
 #pragma GCC unroll 16
     for (int v = 0; v < VC; ++v) {
       const __m512 xs = L::load(x + w.src[v]);
       const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
-      out[v] = combine(L::load(x + kW * v), xb, w, v);
+      out[v] = combine(L::load(x + kW * v), xb, row, v);
     }
     store_row<L, VC>(w, y, out);
     pass_through<L>(w, x, y);
@@ -231,14 +234,14 @@ ROME_INLINE __m512 permute_pairs(const __m512* in, const __m512i* idx, const __m
 
 // general with the rotary dim known: the row stays in registers.
 template <typename L, int VC>
-ROME_INLINE void rows_general_fixed(const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
   const bool a_identity = w.r->a_identity;
   constexpr int P = VC / 2;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const T* x = row.x;
+    T* y = row.y;
     __m512 in[VC], out[VC];
 #pragma GCC unroll 16
     for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
@@ -247,7 +250,7 @@ ROME_INLINE void rows_general_fixed(const Work& w, const ForwardBatch& batch) {
       const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
       const __m512 xa =
           a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P);
-      out[v] = combine(xa, xb, w, v);
+      out[v] = combine(xa, xb, row, v);
     }
     store_row<L, VC>(w, y, out);
     pass_through<L>(w, x, y);
@@ -271,7 +274,9 @@ ROME_INLINE __m512 permute_vector(const PermuteStep* s, const PermuteStep* end, 
 
 // general, any size (and single / move rows in place): the row is widened into X first.
 template <typename L>
-ROME_INLINE void row_general(const Work& w, const typename L::T* x, typename L::T* y) {
+ROME_INLINE void row_general(const Work& w, const Row<L>& row) {
+  const typename L::T* x = row.x;
+  typename L::T* y = row.y;
   const RotationData& r = *w.r;
   const VectorPermutePlan& pa = r.avx512.a;
   const VectorPermutePlan& pb = r.avx512.b;
@@ -288,69 +293,71 @@ ROME_INLINE void row_general(const Work& w, const typename L::T* x, typename L::
     const __m512 xa = r.a_identity
                           ? _mm512_load_ps(X + kW * v)
                           : permute_vector(a_steps + a_begin[v], a_steps + a_begin[v + 1], X);
-    L::store(y + kW * v, combine(xa, xb, w, v), lanes_of(w, v));
+    L::store(y + kW * v, combine(xa, xb, row, v), lanes_of(w, v));
   }
 }
 
 // single / move, any size, out of place: sources read straight from x.
 template <typename L, bool kMove>
-ROME_INLINE void row_single(const Work& w, const typename L::T* x, typename L::T* y) {
+ROME_INLINE void row_single(const Work& w, const Row<L>& row) {
+  const typename L::T* x = row.x;
+  typename L::T* y = row.y;
   for (std::int64_t v = 0; v < w.V; ++v) {
     const __m512 xs = L::load(x + w.src[v], w.src_mask[v]);
     const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
     const __mmask16 m = lanes_of(w, v);
-    L::store(y + kW * v, combine(L::load(x + kW * v, m), xb, w, v), m);
+    L::store(y + kW * v, combine(L::load(x + kW * v, m), xb, row, v), m);
   }
 }
 
 template <typename L>
-ROME_INLINE void rows_general(const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
-    row_general<L>(w, x, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const T* x = row.x;
+    T* y = row.y;
+    row_general<L>(w, row);
     pass_through<L>(w, x, y);
   }
 }
 
 template <typename L, bool kMove>
-ROME_INLINE void rows_single_any(const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void rows_single_any(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
-    prefetch_ahead(w, x, y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const T* x = row.x;
+    T* y = row.y;
     if (static_cast<const void*>(x) == static_cast<const void*>(y))
-      row_general<L>(w, x, y);
+      row_general<L>(w, row);
     else
-      row_single<L, kMove>(w, x, y);
+      row_single<L, kMove>(w, row);
     pass_through<L>(w, x, y);
   }
 }
 
 template <typename L, int VC>
-ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardBatch& batch) {
+ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile) {
   if constexpr (VC != 0) {
     switch (kind) {
-      case Kind::pairs: return rows_local<L, VC, true>(w, batch);
-      case Kind::local: return rows_local<L, VC, false>(w, batch);
-      case Kind::half_move: return rows_xor_move<L, VC, VC / 2>(w, batch);
-      case Kind::quarter_move: return rows_xor_move<L, VC, VC / 4>(w, batch);
-      case Kind::single: return rows_single_fixed<L, VC, false>(w, batch);
-      case Kind::move: return rows_single_fixed<L, VC, true>(w, batch);
-      case Kind::general: return rows_general_fixed<L, VC>(w, batch);
+      case Kind::pairs: return rows_local<L, VC, true>(w, tile);
+      case Kind::local: return rows_local<L, VC, false>(w, tile);
+      case Kind::half_move: return rows_xor_move<L, VC, VC / 2>(w, tile);
+      case Kind::quarter_move: return rows_xor_move<L, VC, VC / 4>(w, tile);
+      case Kind::single: return rows_single_fixed<L, VC, false>(w, tile);
+      case Kind::move: return rows_single_fixed<L, VC, true>(w, tile);
+      case Kind::general: return rows_general_fixed<L, VC>(w, tile);
     }
   } else {
     switch (kind) {
-      case Kind::pairs: return rows_local<L, 0, true>(w, batch);
-      case Kind::local: return rows_local<L, 0, false>(w, batch);
-      case Kind::single: return rows_single_any<L, false>(w, batch);
+      case Kind::pairs: return rows_local<L, 0, true>(w, tile);
+      case Kind::local: return rows_local<L, 0, false>(w, tile);
+      case Kind::single: return rows_single_any<L, false>(w, tile);
       case Kind::half_move:
       case Kind::quarter_move:
-      case Kind::move: return rows_single_any<L, true>(w, batch);
-      case Kind::general: return rows_general<L>(w, batch);
+      case Kind::move: return rows_single_any<L, true>(w, tile);
+      case Kind::general: return rows_general<L>(w, tile);
     }
   }
 }
@@ -502,71 +509,31 @@ class Prepared {
 };
 
 struct ThreadState {
-  Runs runs;
-  Scratch scratch;  // C, S, X of rows longer than the stack buffer
+  Scratch scratch;  // X of rows longer than the stack buffer
   Prepared prepared;
 };
 thread_local ThreadState t_state;
 
 template <DType D, typename N>
-ROME_INLINE void forward_impl(const RotationData& r, const ForwardBatch& batch) {
+ROME_INLINE void forward_impl(const RotationData& r, const ForwardTile& tile) {
   using L = Lanes<D, N>;
-  if (batch.count <= 0) return;
-  const VectorPermutePlan& pa = r.avx512.a;
-  const VectorPermutePlan& pb = r.avx512.b;
-  if (!r.a_identity) {
-    for (std::int64_t j = 0; j < r.rotary_dim; ++j)
-      if (pa.keep_bits[j] == 0) return scalar_kernels().forward_permute(r, batch);
-  }
+  if (tile.count <= 0) return;
   Work w;
   w.r = &r;
   w.rd = r.rotary_dim;
   w.hd = r.head_dim;
   w.V = (w.rd + kW - 1) / kW;
-  w.pass = batch.copy_passthrough && w.hd > w.rd;
+  w.pass = tile.copy_passthrough && w.hd > w.rd;
   const int rem = int(w.rd % kW);
   w.tail = rem ? __mmask16((1u << rem) - 1) : __mmask16(0xffff);
-  const std::int64_t es = sizeof(typename L::T);
+  w.stream = tile.stream;
   ThreadState& state = t_state;
-  const Traffic traffic = estimate_traffic(batch, w.hd * es, state.runs);
-  w.stream = traffic.stream;
-  if (traffic.prefetch) {
-    w.pf_bytes = (w.pass ? w.hd : w.rd) * es;
-    w.pf_offset = (traffic.contiguous ? kPrefetchRowsContiguous : kPrefetchRows) * w.hd * es;
-    for (std::int64_t j = 0; j < w.rd; j += 16) {
-      _mm_prefetch(reinterpret_cast<const char*>(batch.cos + kPrefetchRows * w.rd + j),
-                   _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(batch.sin + kPrefetchRows * w.rd + j),
-                   _MM_HINT_T0);
-    }
-  }
-
-  // Per batch: C, S, X (V·16 floats each). The permute data comes from the thread's cache.
-  const std::int64_t V = w.V;
+  // X: the row widened to fp32 (general rows); the permute data comes from the thread's cache.
   constexpr std::int64_t kStackVectors = 16;
-  alignas(64) float stack[3 * kStackVectors * kW];
-  float* C = V <= kStackVectors
-                 ? stack
-                 : static_cast<float*>(state.scratch.get(std::size_t(3 * V * kW) * sizeof(float)));
-  float* S = C + V * kW;
-  w.X = S + V * kW;
-  w.C = C;
-  w.S = S;
-  {
-    const float* cos = batch.cos;
-    const float* sin = batch.sin;
-    const auto* a_signs = reinterpret_cast<const float*>(pa.sign_bits.data());
-    const auto* b_signs = reinterpret_cast<const float*>(pb.sign_bits.data());
-    const bool a_identity = r.a_identity;
-    for (std::int64_t v = 0; v < V; ++v) {
-      const __mmask16 m = lanes_of(w, v);
-      __m512 c = _mm512_maskz_loadu_ps(m, cos + kW * v);
-      const __m512 s = _mm512_maskz_loadu_ps(m, sin + kW * v);
-      if (!a_identity) c = _mm512_xor_ps(c, _mm512_loadu_ps(a_signs + kW * v));
-      _mm512_store_ps(C + kW * v, c);
-      _mm512_store_ps(S + kW * v, _mm512_xor_ps(s, _mm512_loadu_ps(b_signs + kW * v)));
-    }
-  }
+  alignas(64) float stack[kStackVectors * kW];
+  w.X = w.V <= kStackVectors
+            ? stack
+            : static_cast<float*>(state.scratch.get(std::size_t(w.V * kW) * sizeof(float)));
   Prepared& prepared = state.prepared;
   prepared.update(r, w);
   const Kind kind = prepared.kind;
@@ -579,29 +546,29 @@ ROME_INLINE void forward_impl(const RotationData& r, const ForwardBatch& batch) 
   w.pair_mask_b = prepared.pair_mask_b;
   w.pair_mask_a = prepared.pair_mask_a;
   switch (w.rd) {
-    case 64: dispatch_rows<L, 4>(kind, w, batch); break;
-    case 128: dispatch_rows<L, 8>(kind, w, batch); break;
-    case 256: dispatch_rows<L, 16>(kind, w, batch); break;
-    default: dispatch_rows<L, 0>(kind, w, batch); break;
+    case 64: dispatch_rows<L, 4>(kind, w, tile); break;
+    case 128: dispatch_rows<L, 8>(kind, w, tile); break;
+    case 256: dispatch_rows<L, 16>(kind, w, tile); break;
+    default: dispatch_rows<L, 0>(kind, w, tile); break;
   }
-  // Non-temporal stores are weakly ordered: make them visible before the batch is reported done.
+  // Non-temporal stores are weakly ordered: make them visible before the tile is reported done.
   if (w.stream) _mm_sfence();
 }
 
-void forward_f32(const RotationData& r, const ForwardBatch& b) {
+void forward_f32(const RotationData& r, const ForwardTile& b) {
   forward_impl<DType::f32, NarrowExact>(r, b);
 }
-void forward_f16(const RotationData& r, const ForwardBatch& b) {
+void forward_f16(const RotationData& r, const ForwardTile& b) {
   forward_impl<DType::f16, NarrowExact>(r, b);
 }
-void forward_bf16(const RotationData& r, const ForwardBatch& b) {
+void forward_bf16(const RotationData& r, const ForwardTile& b) {
   forward_impl<DType::bf16, NarrowExact>(r, b);
 }
-void forward_bf16_insn(const RotationData& r, const ForwardBatch& b) {
+void forward_bf16_insn(const RotationData& r, const ForwardTile& b) {
   forward_impl<DType::bf16, NarrowBf16Insn>(r, b);
 }
 
-void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
+void forward_permute_any(const RotationData& r, const ForwardTile& b) {
   static const bool bf16_insn = detail::cpu_features().avx512_bf16;
   switch (b.dtype) {
     case DType::f32: return forward_f32(r, b);
@@ -615,7 +582,7 @@ void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
 
 const KernelTable& avx512_kernels() {
   static const KernelTable table{"avx512", forward_permute_any, avx512_forward_dense,
-                                 avx512_accumulate_product};
+                                 avx512_accumulate_product, nullptr};
   return table;
 }
 

@@ -23,28 +23,31 @@ inline float combine(float xa, float c, float xb, float s) {
   return std::fma(xb, s, p) + e;
 }
 
+// The tile's tables carry the signs of A and B, so a lane only reads its source (or nothing).
 template <DType D>
-void forward_permute(const RotationData& r, const ForwardBatch& batch) {
+void forward_permute(const RotationData& r, const ForwardTile& tile) {
   using T = typename detail::Storage<D>::type;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   thread_local std::vector<float> row;
   if (std::int64_t(row.size()) < rd) row.resize(rd);
   float* xf = row.data();
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const T* x = static_cast<const T*>(tile.x_row(n));
+    T* y = static_cast<T*>(tile.y_row(n));
+    const float* cos = tile.cos_row(n);
+    const float* sin = tile.sin_row(n);
     for (std::int64_t j = 0; j < rd; ++j) xf[j] = detail::load_float<D>(x + j);
     for (std::int64_t j = 0; j < rd; ++j) {
-      const float xa = r.a_identity ? xf[j] : float(r.a.sign[j]) * xf[r.a.src[j]];
-      const float xb = r.b.sign[j] == 0 ? 0.0f : float(r.b.sign[j]) * xf[r.b.src[j]];
-      detail::store_float<D>(y + j, combine(xa, batch.cos[j], xb, batch.sin[j]));
+      const float xa = r.a_identity ? xf[j] : r.a.sign[j] == 0 ? 0.0f : xf[r.a.src[j]];
+      const float xb = r.b.sign[j] == 0 ? 0.0f : xf[r.b.src[j]];
+      detail::store_float<D>(y + j, combine(xa, cos[j], xb, sin[j]));
     }
-    if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
+    if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
 }
 
 template <DType D>
-void forward_dense(const RotationData& r, const ForwardBatch& batch) {
+void forward_dense(const RotationData& r, const ForwardTile& tile) {
   using T = typename detail::Storage<D>::type;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   thread_local std::vector<float> row;
@@ -52,9 +55,11 @@ void forward_dense(const RotationData& r, const ForwardBatch& batch) {
   float* xf = row.data();
   const float* a = r.dense_a.data();
   const float* b = r.dense_b.data();
-  for (std::int64_t n = 0; n < batch.count; ++n) {
-    const T* x = static_cast<const T*>(batch.rows[n].x);
-    T* y = static_cast<T*>(batch.rows[n].y);
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const T* x = static_cast<const T*>(tile.x_row(n));
+    T* y = static_cast<T*>(tile.y_row(n));
+    const float* cos = tile.cos_row(n);
+    const float* sin = tile.sin_row(n);
     for (std::int64_t j = 0; j < rd; ++j) xf[j] = detail::load_float<D>(x + j);
     for (const auto& block : r.dense_blocks) {
       const std::int64_t end = block.offset + block.size;
@@ -66,14 +71,14 @@ void forward_dense(const RotationData& r, const ForwardBatch& batch) {
           xb = std::fma(xf[i], b[i * rd + j], xb);
         }
         if (r.a_identity) xa = xf[j];
-        detail::store_float<D>(y + j, combine(xa, batch.cos[j], xb, batch.sin[j]));
+        detail::store_float<D>(y + j, combine(xa, cos[j], xb, sin[j]));
       }
     }
-    if (batch.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
+    if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
 }
 
-void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
+void forward_permute_any(const RotationData& r, const ForwardTile& b) {
   switch (b.dtype) {
     case DType::f32: return forward_permute<DType::f32>(r, b);
     case DType::f16: return forward_permute<DType::f16>(r, b);
@@ -82,7 +87,7 @@ void forward_permute_any(const RotationData& r, const ForwardBatch& b) {
   }
 }
 
-void forward_dense_any(const RotationData& r, const ForwardBatch& b) {
+void forward_dense_any(const RotationData& r, const ForwardTile& b) {
   switch (b.dtype) {
     case DType::f32: return forward_dense<DType::f32>(r, b);
     case DType::f16: return forward_dense<DType::f16>(r, b);
@@ -108,7 +113,7 @@ void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n
 
 const KernelTable& scalar_kernels() {
   static const KernelTable table{"scalar", forward_permute_any, forward_dense_any,
-                                 scalar_accumulate_product};
+                                 scalar_accumulate_product, nullptr};
   return table;
 }
 
