@@ -66,8 +66,11 @@ extension = CppExtension(
     extra_objects=[CORE_LIBRARY],
     # A rebuilt core library or changed public headers relink/recompile the extension.
     depends=[CORE_LIBRARY] + sorted(glob.glob(os.path.join(ROOT, "include", "rome", "*.hpp"))),
-    extra_compile_args={"cxx": ["-O3", "-g0", "-std=c++20", "-fvisibility=hidden"]},
-    extra_link_args=["-pthread"],
+    # -fopenmp: at::parallel_for (exec_options in common.cpp) is an inline template over OpenMP in
+    # torch's headers; without it the pragma is dropped and RoME runs on one thread. libgomp.so.1
+    # resolves to the copy torch has already loaded, so there is one OpenMP pool in the process.
+    extra_compile_args={"cxx": ["-O3", "-g0", "-std=c++20", "-fvisibility=hidden", "-fopenmp"]},
+    extra_link_args=["-pthread", "-fopenmp"],
 )
 
 setup(

@@ -121,6 +121,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       py::arg("isa"));
   m.def("set_num_threads", &rome::set_num_threads, py::arg("threads"));
   m.def("default_num_threads", &rome::default_num_threads);
+  m.def("last_call_threads", &rome::last_call_threads,
+        "distinct threads that ran this thread's last forward call (0: no work)");
 
   // Matrices.
   m.def("rotation_matrices", &rotation_matrices, py::arg("kind"), py::arg("rotary_dim"),

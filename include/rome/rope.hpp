@@ -61,6 +61,10 @@ struct ExecOptions {
 void rope_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                   const Operand* k = nullptr, const ExecOptions& options = {});
 
+// How many distinct threads ran the calling thread's last rope_forward (0 when it had no work):
+// a diagnostic that shows which thread setting took effect.
+int last_call_threads() noexcept;
+
 // Gradients of y = (x·A) ⊙ C + (x·B) ⊙ S given g = dL/dy (general formulas, no sin-negation):
 //   dx = (g ⊙ C)·Aᵀ + (g ⊙ S)·Bᵀ
 //   dC = Σ g ⊙ (x·A),  dS = Σ g ⊙ (x·B)   (summed over the axes the table broadcasts on)

@@ -54,8 +54,16 @@ def set_max_isa(isa: str) -> str:
 
 
 def set_num_threads(threads: int) -> None:
-    """Threads of RoME's own pool (0 = default: ``ROME_NUM_THREADS``, else every core)."""
+    """Runs RoME's ops on RoME's own pool with this many threads. 0 (the default) returns to
+    following torch: ``torch.set_num_threads`` / ``OMP_NUM_THREADS`` through ``at::parallel_for``
+    (unless ``ROME_NUM_THREADS`` is set)."""
     _C.set_num_threads(int(threads))
+
+
+def last_call_threads() -> int:
+    """How many distinct threads ran this thread's last RoME forward call (0: it had no work).
+    A diagnostic: shows which thread setting took effect."""
+    return int(_C.last_call_threads())
 
 
 __all__ = [
@@ -64,6 +72,7 @@ __all__ = [
     "active_isa",
     "apply_rotary_emb_interleaved",
     "cpu_info",
+    "last_call_threads",
     "matrices",
     "modules",
     "ops",

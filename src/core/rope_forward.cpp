@@ -6,7 +6,10 @@
 // several KB), BSND and packed [T, H·D] layouts one token at a time over its heads.
 #include <algorithm>
 #include <cstdlib>
+#include <mutex>
 #include <new>
+#include <thread>
+#include <vector>
 
 #include "dispatch.hpp"
 #include "plan.hpp"
@@ -47,6 +50,23 @@ class TileBuffer {
   float* data_ = nullptr;
   std::size_t size_ = 0;
 };
+
+// The distinct threads that ran a call's ranges (for last_call_threads).
+class ThreadCounter {
+ public:
+  void note() {
+    const std::thread::id id = std::this_thread::get_id();
+    std::lock_guard<std::mutex> lock(mutex_);
+    if (std::find(ids_.begin(), ids_.end(), id) == ids_.end()) ids_.push_back(id);
+  }
+  int count() const { return int(ids_.size()); }
+
+ private:
+  std::mutex mutex_;
+  std::vector<std::thread::id> ids_;
+};
+
+thread_local int t_last_call_threads = 0;
 
 struct Executor {
   const ForwardPlan* plan;
@@ -171,6 +191,7 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   detail::check_options(options);
   const ForwardPlan plan = detail::plan_forward(rotation, tables, q, k);
   const std::int64_t rows = plan.q.inner.rows + (plan.has_k ? plan.k.inner.rows : 0);
+  t_last_call_threads = 0;
   if (plan.outer_total == 0 || rows == 0) return;
   const kernels::KernelTable& table = detail::active_kernels();
   kernels::ForwardFn kernel = table.forward_permute;
@@ -207,8 +228,16 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   // in place: there they would evict the lines just read (on some CPUs serialising every line).
   ex.large_output = plan.bytes_moved / 2 > detail::cache_sizes().l3;
 
-  detail::parallel_for(options, ex.items(), threads,
-                       [&](std::int64_t b, std::int64_t e) { ex.run(b, e); });
+  ThreadCounter counter;
+  detail::parallel_for(options, ex.items(), threads, [&](std::int64_t b, std::int64_t e) {
+    counter.note();
+    ex.run(b, e);
+  });
+  t_last_call_threads = counter.count();
+}
+
+int last_call_threads() noexcept {
+  return t_last_call_threads;
 }
 
 }  // namespace rome

@@ -1,6 +1,7 @@
 """Command line of ``python -m rome.bench``."""
 
 import argparse
+import json
 import os
 import sys
 from pathlib import Path
@@ -10,6 +11,13 @@ from .rows import (DEFAULT_LLM_SEQ, DEFAULT_SEQ, QUICK_LLM_SEQ, QUICK_SEQ, ROW_K
 # With --quick, torch.compile runs on this row only (a compile costs seconds; the first one in a
 # fresh environment close to a minute).
 QUICK_COMPILE_ROWS = ["half_1d"]
+# The default run (about 10 minutes on a 2-core AVX2 machine): the layout study, then the operator
+# table on these rows without the columns that take seconds per call there (PyTorch's bf16 matmul
+# forms run ~10x slower than fp32 sgemm on CPUs without bf16 hardware) and with torch.compile on
+# one row. --full runs every row and column.
+DEFAULT_ROWS = ["interleave_1d", "half_1d", "half_3d", "wan_3d", "llm_prefill", "decode"]
+DEFAULT_COMPILE_ROWS = ["half_1d"]
+OPT_IN_METHODS = ("axis_matrix", "matrix", "compile_matrix")
 
 
 def parse(argv=None) -> argparse.Namespace:
@@ -21,8 +29,14 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true",
                    help=f"CI size: S = {QUICK_SEQ} (LLM rows too), 3 repeats, torch.compile on "
                         f"{', '.join(QUICK_COMPILE_ROWS)} only")
-    p.add_argument("--rows", default="all",
-                   help=f"comma-separated rows (default all): {', '.join(ROW_KEYS)}")
+    p.add_argument("--full", action="store_true",
+                   help="the exhaustive study: every variant of the layout study, every row and column of "
+                        "the operator table (bf16 matmul baselines, dense rows, torch.compile everywhere)")
+    p.add_argument("--rows", default="",
+                   help=f"comma-separated operator-table rows (default {', '.join(DEFAULT_ROWS)}; "
+                        f"--full: all): {', '.join(ROW_KEYS)}")
+    p.add_argument("--no-layouts", action="store_true", help="skip the layout study")
+    p.add_argument("--layouts-only", action="store_true", help="run only the layout study")
     p.add_argument("--threads", type=int, default=0, help="threads for every method (default: every core)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per cell (default 10, quick 3)")
     p.add_argument("--seq", type=int, default=0, help=f"S of the [1, 24, S, 128] rows (default {DEFAULT_SEQ})")
@@ -41,14 +55,38 @@ def main(argv=None) -> int:
     seq = args.seq or (QUICK_SEQ if args.quick else DEFAULT_SEQ)
     llm_seq = QUICK_LLM_SEQ if args.quick else DEFAULT_LLM_SEQ
     rows = all_rows(seq, llm_seq)
-    if args.rows != "all":
-        wanted = [r.strip() for r in args.rows.split(",") if r.strip()]
+    # --quick (CI size) keeps every row and column: cheap at its size.
+    row_arg = args.rows or ("all" if args.full or args.quick else ",".join(DEFAULT_ROWS))
+    if row_arg != "all":
+        wanted = [r.strip() for r in row_arg.split(",") if r.strip()]
         unknown = [w for w in wanted if w not in ROW_KEYS]
         if unknown:
             print(f"unknown rows: {', '.join(unknown)} (choose from {', '.join(ROW_KEYS)})", file=sys.stderr)
             return 2
         rows = [r for r in rows if r.key in wanted]
     threads = args.threads or len(os.sched_getaffinity(0))
+    out_dir = Path(args.out)
+    if not args.no_layouts:
+        from . import layouts
+
+        threads_list = sorted({1, threads})
+        lay = layouts.run(quick=args.quick, full=args.full, threads_list=threads_list,
+                          progress=lambda what: print(what, file=sys.stderr, flush=True))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "layouts.json").write_text(json.dumps(lay, indent=1))
+        text = layouts.markdown(lay)
+        (out_dir / "layouts.md").write_text(text)
+        print(text)
+        print(f"wrote {out_dir / 'layouts.md'}, {out_dir / 'layouts.json'} ({lay['wall_s']:.0f} s)")
+        print()
+        if args.layouts_only:
+            return 0
+    if args.quick:
+        compile_rows = QUICK_COMPILE_ROWS
+    elif args.full:
+        compile_rows = None
+    else:
+        compile_rows = DEFAULT_COMPILE_ROWS
     cfg = runner.Config(
         threads=threads,
         repeats=args.repeats or (3 if args.quick else 10),
@@ -56,13 +94,14 @@ def main(argv=None) -> int:
         budget_s=0.5 if args.quick else 6.0,
         cpp_repeats=5 if args.quick else 20,
         compile=not args.no_compile,
-        compile_rows=QUICK_COMPILE_ROWS if args.quick else None,
+        compile_rows=compile_rows,
         timer=args.timer,
         quick=args.quick,
+        skip_methods=() if args.full or args.quick else OPT_IN_METHODS,
     )
     del torch
     results = runner.run(rows, cfg)
-    paths = report.save(results, Path(args.out))
+    paths = report.save(results, out_dir)
     print(report.terminal(results))
     print()
     print("wrote " + ", ".join(str(p) for p in paths.values()))

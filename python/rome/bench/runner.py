@@ -6,7 +6,7 @@ import platform
 import sys
 import time
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -51,6 +51,7 @@ class Config:
     compile_rows: Optional[List[str]]  # None: every row
     timer: Optional[str]
     quick: bool
+    skip_methods: Tuple[str, ...] = ()  # opt-in columns left out of this run (--full runs them)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -171,6 +172,9 @@ def run_row(row: Row, cfg: Config, timer_path, progress: Callable[[str], None]) 
             if why:
                 entry["na"] = why
                 continue
+        if m.key in cfg.skip_methods:
+            entry["na"] = "opt-in (python -m rome.bench --full)"
+            continue
         if m.compiled and not cfg.compile:
             entry["na"] = "--no-compile"
             continue

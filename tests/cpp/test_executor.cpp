@@ -1,0 +1,259 @@
+// The tiled forward executor: tile boundaries on every layout (tokens not a multiple of the tile,
+// one token, tables broadcast on each axis, positions, GQA, strided slices of a fused buffer, in
+// place and out of place), forced tile sizes and thread counts 1-8 through RoME's own pool and
+// through a host's parallel_for. Every run must equal the scalar kernel on one thread with the
+// default tiles bit for bit over the whole output buffer (NaN-filled padding included), and that
+// run must match the double reference.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "isa_testing.hpp"
+#include "reference.hpp"
+#include "rome/rome.hpp"
+
+namespace rome::testing {
+namespace {
+
+struct ExecutorCase {
+  std::string name;
+  std::vector<std::int64_t> q_shape, k_shape;  // k_shape empty: no k
+  Layout q_layout, k_layout;
+  std::vector<std::int64_t> table_shape;  // direct tables; empty with a cache
+  std::int64_t cache_rows = 0;            // > 0: a [cache_rows, rd] cache gathered by positions
+  std::vector<std::int64_t> positions_shape;
+};
+
+// q and k [B, N, S, D] unless the name says otherwise; D = 64.
+const std::vector<ExecutorCase>& cases() {
+  static const std::vector<ExecutorCase> c = {
+      {"bnsd_gqa", {2, 6, 37, 64}, {2, 2, 37, 64}, {}, {}, {37, 64}},
+      {"bnsd_batch_tables", {2, 3, 29, 64}, {2, 1, 29, 64}, {}, {}, {2, 1, 29, 64}},
+      {"bnsd_one_token", {1, 8, 1, 64}, {1, 2, 1, 64}, {}, {}, {1, 64}},
+      // BSND: [B, S, N, D] with tables [1, S, 1, D].
+      {"bsnd_gqa", {2, 37, 6, 64}, {2, 37, 3, 64}, {}, {}, {1, 37, 1, 64}},
+      // Token-major [T, N, D] slices of a fused qkv buffer (rows of other heads in between).
+      {"packed_qkv_slices",
+       {45, 4, 64},
+       {45, 2, 64},
+       Layout{{}, 0, -1, 0, 5},
+       Layout{{}, 0, -1, 3, 7},
+       {},
+       70,
+       {45, 1}},
+      // Tables that vary per head too: every row has its own table row.
+      {"bnsd_tables_per_head", {1, 3, 21, 64}, {}, {}, {}, {1, 3, 21, 64}},
+      // A transposed view (BSND memory read as BNSD) and positions per batch.
+      {"bnsd_view_of_bsnd_positions",
+       {2, 5, 19, 64},
+       {2, 5, 19, 64},
+       Layout{{0, 2, 1, 3}},
+       Layout{{0, 2, 1, 3}},
+       {},
+       40,
+       {2, 1, 19}},
+  };
+  return c;
+}
+
+struct Rot {
+  const char* name;
+  Rotation (*make)();
+};
+const Rot kRotations[] = {
+    {"half", [] { return Rotation::half(64); }},
+    {"interleave", [] { return Rotation::interleave(64); }},
+    {"quarter", [] { return Rotation::quarter(64); }},
+    {"3d_24_24_16",
+     [] {
+       return Rotation::block_diag({Rotation::half(24), Rotation::half(24), Rotation::half(16)});
+     }},
+    {"partial_32_of_64", [] { return Rotation::half(32).partial(64); }},
+};
+
+struct Inputs {
+  TestTensor q, k, q_out, k_out;
+  TestTables tables;
+};
+
+Inputs make_inputs(const ExecutorCase& c, const Rotation& rot, DType dtype, bool in_place,
+                   std::uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  Inputs in;
+  in.q = TestTensor::make(dtype, c.q_shape, c.q_layout);
+  in.q.fill_random(rng, -2, 2);
+  if (!c.k_shape.empty()) {
+    in.k = TestTensor::make(dtype, c.k_shape, c.k_layout);
+    in.k.fill_random(rng, -2, 2);
+  }
+  if (!in_place) {
+    in.q_out = TestTensor::make(dtype, c.q_shape, c.q_layout);
+    if (!c.k_shape.empty()) in.k_out = TestTensor::make(dtype, c.k_shape, c.k_layout);
+  }
+  const std::int64_t rd = rot.rotary_dim();
+  if (c.cache_rows > 0) {
+    in.tables.cos = TestTensor::make(DType::f32, {c.cache_rows, rd});
+    in.tables.sin = TestTensor::make(DType::f32, {c.cache_rows, rd});
+    in.tables.positions = TestTensor::make(DType::i64, c.positions_shape);
+    std::uniform_int_distribution<std::int64_t> pos(0, c.cache_rows - 1);
+    in.tables.positions.fill([&](const auto&) { return double(pos(rng)); });
+  } else {
+    std::vector<std::int64_t> shape = c.table_shape;
+    shape.back() = rd;
+    in.tables.cos = TestTensor::make(DType::f32, shape);
+    in.tables.sin = TestTensor::make(DType::f32, shape);
+  }
+  in.tables.cos.fill_random(rng, -1, 1);
+  in.tables.sin.fill_random(rng, -1, 1);
+  return in;
+}
+
+void run(Inputs& in, const Rotation& rot, bool in_place, const ExecOptions& options) {
+  const bool has_k = !in.k.shape.empty();
+  Operand q{in.q.cview(), in_place ? in.q.view() : in.q_out.view()};
+  Operand k;
+  if (has_k) k = {in.k.cview(), in_place ? in.k.view() : in.k_out.view()};
+  rope_forward(rot, in.tables.view(), q, has_k ? &k : nullptr, options);
+}
+
+// A host pool in the style of at::parallel_for: contiguous chunks, each on its own std::thread.
+std::atomic<int> g_host_chunks{0};
+void host_parallel_for(std::int64_t items, int threads, RangeBody body, void* context) {
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    const std::int64_t b = items * t / threads, e = items * (t + 1) / threads;
+    if (b < e) pool.emplace_back([=] { body(context, b, e); });
+  }
+  g_host_chunks += int(pool.size());
+  for (auto& t : pool) t.join();
+}
+
+std::vector<unsigned char> result_bytes(const Inputs& in, bool in_place) {
+  std::vector<unsigned char> bytes = in_place ? in.q.storage : in.q_out.storage;
+  const auto& k = in_place ? in.k.storage : in.k_out.storage;
+  bytes.insert(bytes.end(), k.begin(), k.end());
+  return bytes;
+}
+
+TEST(Executor, TilesThreadsAndHostPoolsAreBitIdentical) {
+  const std::int64_t tiles[] = {0, 1, 3, 16};
+  const int thread_counts[] = {1, 2, 3, 8};
+  int checked = 0;
+  for (const ExecutorCase& c : cases()) {
+    for (const Rot& r : kRotations) {
+      const Rotation rot = r.make();
+      for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
+        for (bool in_place : {true, false}) {
+          const std::string what = c.name + "/" + r.name + "/" + dtype_name(dtype) +
+                                   (in_place ? "/in_place" : "/out_of_place");
+          const std::uint64_t seed = std::hash<std::string>()(what);
+          // Baseline: scalar kernel, one thread, default tiles; checked against the reference.
+          Inputs base = make_inputs(c, rot, dtype, in_place, seed);
+          const Inputs original = base;
+          {
+            ScopedIsa scalar(Isa::scalar);
+            ExecOptions one;
+            one.num_threads = 1;
+            run(base, rot, in_place, one);
+          }
+          const Comparison cq = compare(in_place ? base.q : base.q_out,
+                                        reference_forward(rot, original.tables, original.q));
+          ASSERT_TRUE(cq.ok) << what << ": q " << cq.first_failure;
+          if (!base.k.shape.empty()) {
+            const Comparison ck = compare(in_place ? base.k : base.k_out,
+                                          reference_forward(rot, original.tables, original.k));
+            ASSERT_TRUE(ck.ok) << what << ": k " << ck.first_failure;
+          }
+          const std::vector<unsigned char> expected = result_bytes(base, in_place);
+          for (Isa isa : isas_under_test()) {
+            ScopedIsa scoped(isa);
+            for (std::int64_t tile : tiles) {
+              for (int threads : thread_counts) {
+                for (bool host : {false, true}) {
+                  Inputs in = original;
+                  ExecOptions options;
+                  options.num_threads = threads;
+                  options.tile_tokens = tile;
+                  if (host) options.parallel_for = host_parallel_for;
+                  run(in, rot, in_place, options);
+                  ASSERT_TRUE(result_bytes(in, in_place) == expected)
+                      << what << " on " << isa_name(isa) << ", tile_tokens " << tile << ", "
+                      << threads << " threads" << (host ? " on a host pool" : "");
+                  ++checked;
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  std::printf("[ rome ] executor: %d runs bit-identical to the scalar kernel on one thread\n",
+              checked);
+}
+
+// Work big enough to be split: RoME's pool and a host pool each run it on the threads asked
+// for, and a tiny call (one decode token) stays on the calling thread.
+TEST(Executor, ThreadCountsTakeEffect) {
+  const Rotation rot = Rotation::half(128);
+  TestTensor q = TestTensor::make(DType::f32, {1, 8, 512, 128});
+  std::mt19937_64 rng(3);
+  q.fill_random(rng, -1, 1);
+  TestTables t;
+  t.cos = TestTensor::make(DType::f32, {512, 128});
+  t.sin = TestTensor::make(DType::f32, {512, 128});
+  t.cos.fill_random(rng, -1, 1);
+  t.sin.fill_random(rng, -1, 1);
+  const Operand op{q.cview(), q.view()};
+  for (int threads : {1, 2, 4}) {
+    ExecOptions options;
+    options.num_threads = threads;
+    rope_forward(rot, t.view(), op, nullptr, options);
+    EXPECT_EQ(last_call_threads(), threads) << "RoME's pool";
+    options.parallel_for = host_parallel_for;
+    g_host_chunks = 0;
+    rope_forward(rot, t.view(), op, nullptr, options);
+    EXPECT_EQ(last_call_threads(), threads) << "host pool";
+    EXPECT_EQ(g_host_chunks.load(), threads == 1 ? 0 : threads) << "host pool chunks";
+  }
+  TestTensor decode = TestTensor::make(DType::bf16, {1, 32, 1, 128});
+  decode.fill_random(rng, -1, 1);
+  TestTables one;
+  one.cos = TestTensor::make(DType::f32, {1, 128});
+  one.sin = TestTensor::make(DType::f32, {1, 128});
+  one.cos.fill_random(rng, -1, 1);
+  one.sin.fill_random(rng, -1, 1);
+  ExecOptions options;
+  options.num_threads = 8;
+  options.parallel_for = host_parallel_for;
+  g_host_chunks = 0;
+  rope_forward(rot, one.view(), Operand{decode.cview(), decode.view()}, nullptr, options);
+  EXPECT_EQ(last_call_threads(), 1);
+  EXPECT_EQ(g_host_chunks.load(), 0) << "a decode step must not wake a pool";
+}
+
+TEST(Executor, RejectsBadTileTokens) {
+  TestTensor q = TestTensor::make(DType::f32, {1, 1, 4, 8});
+  q.fill([](const auto&) { return 1.0; });
+  TestTables t;
+  t.cos = TestTensor::make(DType::f32, {4, 8});
+  t.sin = TestTensor::make(DType::f32, {4, 8});
+  t.cos.fill([](const auto&) { return 1.0; });
+  t.sin.fill([](const auto&) { return 0.0; });
+  const TestTensor before = q;
+  ExecOptions options;
+  options.tile_tokens = -1;
+  try {
+    rope_forward(Rotation::half(8), t.view(), Operand{q.cview(), q.view()}, nullptr, options);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("options.tile_tokens"), std::string::npos) << e.what();
+  }
+  EXPECT_TRUE(q.storage == before.storage);
+}
+
+}  // namespace
+}  // namespace rome::testing
