@@ -299,10 +299,13 @@ void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const Op
         tables.positions.rank = static_cast<int>(token_axes + 1);
         tables.positions.shape[token_axes] = 1;
         tables.positions.strides[token_axes] = 0;
-        const Tensor cos = cos_sin_cache.narrow(1, 0, rd / 2);
-        const Tensor sin = cos_sin_cache.narrow(1, rd / 2, rd / 2);
-        tables.cos = const_view(cos, "cos_sin_cache", false);
-        tables.sin = const_view(sin, "cos_sin_cache", false);
+        // cos = cache[:, :rd/2], sin = cache[:, rd/2:] as views of the cache (no narrow():
+        // two tensor allocations per decode step).
+        tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
+        tables.cos.shape[1] = rd / 2;
+        tables.sin = tables.cos;
+        tables.sin.data = static_cast<const char*>(tables.cos.data) +
+                          (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
         tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
         const rome::Operand oq{rome::as_const(qv), qv};
         rome::Operand ok;

@@ -564,6 +564,53 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
   return bp;
 }
 
+namespace {
+
+// `n` table values from `row` (element stride `lane`) as fp32; the dtype is switched on once.
+template <DType D>
+void load_columns_typed(const char* row, int64_t lane, int64_t n, float* out) {
+  const auto* p = reinterpret_cast<const typename Storage<D>::type*>(row);
+  if (lane == 1)
+    for (int64_t c = 0; c < n; ++c) out[c] = load_float<D>(p + c);
+  else
+    for (int64_t c = 0; c < n; ++c) out[c] = load_float<D>(p + c * lane);
+}
+
+void load_columns(const char* row, DType dtype, int64_t lane, int64_t n, float* out) {
+  switch (dtype) {
+    case DType::f32: return load_columns_typed<DType::f32>(row, lane, n, out);
+    case DType::f16: return load_columns_typed<DType::f16>(row, lane, n, out);
+    case DType::bf16: return load_columns_typed<DType::bf16>(row, lane, n, out);
+    default:
+      for (int64_t c = 0; c < n; ++c) out[c] = load_any(row, dtype, c * lane);
+  }
+}
+
+// One lane per column (full), or half-width columns spread over rotary_dim lanes: halves
+// [c0..c(w-1), c0..c(w-1)], pairs [c0, c0, c1, c1, ...]. `columns` holds the w values.
+void expand_columns(const float* columns, TableWidth width, int64_t w, int64_t rd, float* out) {
+  switch (width) {
+    case TableWidth::full: std::memcpy(out, columns, std::size_t(rd) * 4); return;
+    case TableWidth::halves:
+      for (int64_t j = 0; j < rd; ++j) out[j] = columns[j % w];
+      return;
+    case TableWidth::pairs:
+      for (int64_t j = 0; j < rd; ++j) out[j] = columns[j / 2];
+      return;
+  }
+}
+
+// A cos or sin row of `columns` values at `row` into rotary_dim lanes of `out` (`scratch`
+// holds rotary_dim floats).
+void load_row(const char* row, DType dtype, int64_t lane, const TablePlan& t, int64_t rd,
+              float* scratch, float* out) {
+  if (t.width == TableWidth::full) return load_columns(row, dtype, lane, rd, out);
+  load_columns(row, dtype, lane, t.columns, scratch);
+  expand_columns(scratch, t.width, t.columns, rd, out);
+}
+
+}  // namespace
+
 TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
   const TablePlan& t = plan.tables;
   const int64_t rd = plan.rotation->rotary_dim;
@@ -575,51 +622,55 @@ TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* co
     }
     return lane;
   };
+  const int ecs = dtype_size(t.dtype_cos), ess = dtype_size(t.dtype_sin);
+  const char* crow = nullptr;
+  const char* srow = nullptr;
   if (!t.positions) {
     int64_t oc = 0, os = 0;
     for (int i = 0; i < plan.outer_count; ++i) {
       oc += outer[i] * t.cos_outer[i];
       os += outer[i] * t.sin_outer[i];
     }
-    const char* crow = t.cos + oc * dtype_size(t.dtype_cos);
-    const char* srow = t.sin + os * dtype_size(t.dtype_sin);
+    crow = t.cos + oc * ecs;
+    srow = t.sin + os * ess;
     if (t.direct_fp32_rows)
       return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
-    for (int64_t j = 0; j < rd; ++j) {
-      const int64_t c = column(j);
-      cos[j] = load_any(crow, t.dtype_cos, c * t.cos_lane);
-      sin[j] = load_any(srow, t.dtype_sin, c * t.sin_lane);
+  } else {
+    int64_t op = 0;
+    for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
+    auto position = [&](int64_t offset) -> int64_t {
+      return t.positions_dtype == DType::i32
+                 ? int64_t(reinterpret_cast<const std::int32_t*>(t.positions)[offset])
+                 : reinterpret_cast<const std::int64_t*>(t.positions)[offset];
+    };
+    if (t.column_axis) {
+      // One position per axis (MRoPE, grids): each column reads its own row.
+      for (int64_t j = 0; j < rd; ++j) {
+        const int64_t c = column(j);
+        const int64_t p = position(op + t.column_axis[c] * t.positions_axis_stride);
+        cos[j] = load_any(t.cos + p * t.cos_row * ecs, t.dtype_cos, c * t.cos_lane);
+        sin[j] = load_any(t.sin + p * t.sin_row * ess, t.dtype_sin, c * t.sin_lane);
+      }
+      return {cos, sin};
     }
-    return {cos, sin};
-  }
-  int64_t op = 0;
-  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
-  auto position = [&](int64_t offset) -> int64_t {
-    return t.positions_dtype == DType::i32
-               ? int64_t(reinterpret_cast<const std::int32_t*>(t.positions)[offset])
-               : reinterpret_cast<const std::int64_t*>(t.positions)[offset];
-  };
-  const int ecs = dtype_size(t.dtype_cos), ess = dtype_size(t.dtype_sin);
-  if (!t.column_axis) {
     const int64_t p = position(op);
-    const char* crow = t.cos + p * t.cos_row * ecs;
-    const char* srow = t.sin + p * t.sin_row * ess;
+    crow = t.cos + p * t.cos_row * ecs;
+    srow = t.sin + p * t.sin_row * ess;
     if (t.dtype_cos == DType::f32 && t.dtype_sin == DType::f32 && t.width == TableWidth::full &&
         t.cos_lane == 1 && t.sin_lane == 1)
       return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
-    for (int64_t j = 0; j < rd; ++j) {
-      const int64_t c = column(j);
-      cos[j] = load_any(crow, t.dtype_cos, c * t.cos_lane);
-      sin[j] = load_any(srow, t.dtype_sin, c * t.sin_lane);
-    }
-    return {cos, sin};
   }
-  for (int64_t j = 0; j < rd; ++j) {
-    const int64_t c = column(j);
-    const int64_t p = position(op + t.column_axis[c] * t.positions_axis_stride);
-    cos[j] = load_any(t.cos + p * t.cos_row * ecs, t.dtype_cos, c * t.cos_lane);
-    sin[j] = load_any(t.sin + p * t.sin_row * ess, t.dtype_sin, c * t.sin_lane);
+  // Half-width columns are read into a buffer, then spread over the lanes.
+  constexpr int64_t kStack = 512;
+  float stack[kStack];
+  std::vector<float> heap;
+  float* buffer = stack;
+  if (t.width != TableWidth::full && t.columns > kStack) {
+    heap.resize(std::size_t(t.columns));
+    buffer = heap.data();
   }
+  load_row(crow, t.dtype_cos, t.cos_lane, t, rd, buffer, cos);
+  load_row(srow, t.dtype_sin, t.sin_lane, t, rd, buffer, sin);
   return {cos, sin};
 }
 

@@ -26,7 +26,7 @@ using kernels::ForwardTile;
 
 // Below this many bytes a call stays on the calling thread: waking a worker costs more than
 // the work (a decode step is a few KiB).
-constexpr std::int64_t kParallelBytes = 256 * 1024;
+constexpr std::int64_t kParallelBytes = 64 * 1024;
 constexpr std::int64_t kMaxAutoTileTokens = 512;
 
 // Grows on demand, 64-byte aligned, never shrinks: no allocation once warm.

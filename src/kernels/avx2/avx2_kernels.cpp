@@ -41,9 +41,15 @@ using detail::VectorPermutePlan;
 using namespace avx2;
 
 // ---------------------------------------------------------------------------------------------
-// Per-batch state
+// Per-call state
 
-enum class Kind { pairs, local, half_move, quarter_move, single, move, general };
+enum class Kind { pairs, local, half_move, quarter_move, single, move, shifted, general };
+
+// shifted: output vector v takes its B lanes from at most kMaxShifts unaligned loads of the
+// widened row, X[8v + d .. 8v + d + 8) for a few offsets d, blended by lane (block diagonals
+// whose blocks are not multiples of 8 lanes, e.g. 3D RoPE 44+44+40: a vector straddles at most
+// two half-blocks, so two or three loads replace a chain of cross-lane permutes).
+constexpr int kMaxShifts = 3;
 
 struct Work {
   const RotationData* r = nullptr;
@@ -59,6 +65,9 @@ struct Work {
   const std::int32_t* src_n = nullptr;  // lanes of the source vector that exist
   const __m256* a_masks = nullptr;      // general: per plan step
   const __m256* b_masks = nullptr;
+  const std::int32_t* shift_count = nullptr;   // shifted: per output vector
+  const std::int32_t* shift_offset = nullptr;  // shifted: kMaxShifts per output vector
+  const __m256* shift_mask = nullptr;
 };
 
 ROME_INLINE int lanes_of(const Work& w, std::int64_t v) {
@@ -185,6 +194,33 @@ ROME_INLINE void row_single(const Work& w, const Row<L>& row) {
     const __m256 xs = L::load(row.x + w.src[v], w.src_n[v]);
     const __m256 xb = kMove ? xs : _mm256_and_ps(_mm256_permutevar8x32_ps(xs, w.idx[v]), w.mask[v]);
     put<L>(w, stream, row.y, v, combine(L::load(row.x + kW * v, lanes_of(w, v)), xb, row, v));
+  }
+}
+
+// The row is widened into X (one vector of padding each side: a shifted load may start up to 7
+// lanes before the row or end up to 7 lanes past it; those lanes are never selected).
+template <typename L>
+ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
+  float* X = w.X + kW;
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    for (std::int64_t v = 0; v < w.V; ++v)
+      _mm256_store_ps(X + kW * v, L::load(row.x + kW * v, lanes_of(w, v)));
+    const bool stream = streaming_row<L>(w, row.y);
+    for (std::int64_t v = 0; v < w.V; ++v) {
+      const std::int32_t* d = w.shift_offset + kMaxShifts * v;
+      const __m256* m = w.shift_mask + kMaxShifts * v;
+      const float* at = X + kW * v;
+      __m256 xb = _mm256_setzero_ps();
+      switch (w.shift_count[v]) {
+        case 3: xb = _mm256_and_ps(_mm256_loadu_ps(at + d[2]), m[2]); [[fallthrough]];
+        case 2: xb = _mm256_blendv_ps(xb, _mm256_loadu_ps(at + d[1]), m[1]); [[fallthrough]];
+        case 1: xb = _mm256_blendv_ps(xb, _mm256_loadu_ps(at + d[0]), m[0]); break;
+        default: break;
+      }
+      put<L>(w, stream, row.y, v, combine(_mm256_load_ps(at), xb, row, v));
+    }
+    pass_through<L>(w, row.x, row.y);
   }
 }
 
@@ -338,12 +374,13 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
     case Kind::quarter_move: return rows_xor_move<L>(w, tile);
     case Kind::single: return rows_single<L, false>(w, tile);
     case Kind::move: return rows_single<L, true>(w, tile);
+    case Kind::shifted: return rows_shifted<L>(w, tile);
     case Kind::general: return rows_general<L>(w, tile);
   }
 }
 
 // ---------------------------------------------------------------------------------------------
-// Per-batch preparation
+// Per-rotation preparation
 
 ROME_INLINE __m256 blend_mask(std::uint32_t lanes) {
   const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
@@ -385,6 +422,35 @@ Kind classify(const RotationData& r, Work& w, __m256i* idx, __m256* mask, std::i
   return move ? Kind::move : Kind::single;
 }
 
+// Offsets and lane masks of the shifted kind; false when some vector needs more than
+// kMaxShifts loads.
+bool classify_shifted(const RotationData& r, const Work& w, std::int32_t* count,
+                      std::int32_t* offset, __m256* mask) {
+  for (std::int64_t v = 0; v < w.V; ++v) {
+    std::int32_t d[kMaxShifts] = {};
+    std::uint32_t lanes[kMaxShifts] = {};
+    int n = 0;
+    for (int l = 0; l < lanes_of(w, v); ++l) {
+      const std::int64_t j = kW * v + l;
+      if (r.b.sign[j] == 0) continue;
+      const std::int32_t off = r.b.src[j] - std::int32_t(j);
+      int i = 0;
+      while (i < n && d[i] != off) ++i;
+      if (i == n) {
+        if (n == kMaxShifts) return false;
+        d[n++] = off;
+      }
+      lanes[i] |= 1u << l;
+    }
+    count[v] = n;
+    for (int i = 0; i < kMaxShifts; ++i) {
+      offset[kMaxShifts * v + i] = d[i];
+      mask[kMaxShifts * v + i] = blend_mask(lanes[i]);
+    }
+  }
+  return true;
+}
+
 // memcmp(a, b, n) == 0, inline, one branch.
 ROME_INLINE bool equal_bytes(const void* a, const void* b, std::size_t n) {
   const auto* p = static_cast<const char*>(a);
@@ -414,6 +480,9 @@ class Prepared {
   const std::int32_t* src_n = nullptr;
   const __m256* a_masks = nullptr;
   const __m256* b_masks = nullptr;
+  const std::int32_t* shift_count = nullptr;
+  const std::int32_t* shift_offset = nullptr;
+  const __m256* shift_mask = nullptr;
 
   void update(const RotationData& r, Work& w) {
     if (matches(r)) return;
@@ -428,17 +497,28 @@ class Prepared {
     const std::int64_t V = w.V;
     const std::int64_t a_steps = r.a_identity ? 0 : std::int64_t(pa.steps.size());
     const std::int64_t b_steps = std::int64_t(pb.steps.size());
-    // idx, mask (V vectors each), step masks of B and A, src, src_n (V each).
-    const std::size_t bytes = std::size_t(2 * V + a_steps + b_steps) * 32 + std::size_t(V) * 8;
+    // idx, mask (V vectors each), step masks of B and A, shift masks (kMaxShifts·V), src,
+    // src_n, shift_count (V each), shift_offset (kMaxShifts·V).
+    const std::size_t bytes = std::size_t(2 * V + a_steps + b_steps + kMaxShifts * V) * 32 +
+                              std::size_t(V) * 12 + std::size_t(kMaxShifts * V) * 4;
     char* base = static_cast<char*>(storage_.get(bytes));
     auto* idx_v = reinterpret_cast<__m256i*>(base);
     auto* mask_v = reinterpret_cast<__m256*>(idx_v + V);
     auto* b_masks_v = mask_v + V;
     auto* a_masks_v = b_masks_v + b_steps;
-    auto* src_v = reinterpret_cast<std::int32_t*>(a_masks_v + a_steps);
+    auto* shift_mask_v = a_masks_v + a_steps;
+    auto* src_v = reinterpret_cast<std::int32_t*>(shift_mask_v + kMaxShifts * V);
     auto* src_n_v = src_v + V;
+    auto* shift_count_v = src_n_v + V;
+    auto* shift_offset_v = shift_count_v + V;
     w.xor_k = 0;
     kind = classify(r, w, idx_v, mask_v, src_v, src_n_v);
+    if (kind == Kind::general && r.a_identity &&
+        classify_shifted(r, w, shift_count_v, shift_offset_v, shift_mask_v))
+      kind = Kind::shifted;
+    shift_count = shift_count_v;
+    shift_offset = shift_offset_v;
+    shift_mask = shift_mask_v;
     xor_k = w.xor_k;
     for (std::int64_t i = 0; i < b_steps; ++i) b_masks_v[i] = blend_mask(pb.steps[i].lanes);
     for (std::int64_t i = 0; i < a_steps; ++i) a_masks_v[i] = blend_mask(pa.steps[i].lanes);
@@ -498,12 +578,13 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
   w.pass = tile.copy_passthrough && w.hd > w.rd;
   w.stream = tile.stream;
   ThreadState& state = t_state;
-  // X: the row widened to fp32 (general rows); the permute data comes from the thread's cache.
+  // X: the row widened to fp32 (general and shifted rows, with a vector of padding each side);
+  // the permute data comes from the thread's cache.
   constexpr std::int64_t kStackVectors = 32;
   alignas(64) float stack[kStackVectors * kW];
-  w.X = w.V <= kStackVectors
+  w.X = w.V + 2 <= kStackVectors
             ? stack
-            : static_cast<float*>(state.scratch.get(std::size_t(w.V * kW) * sizeof(float)));
+            : static_cast<float*>(state.scratch.get(std::size_t((w.V + 2) * kW) * sizeof(float)));
   Prepared& prepared = state.prepared;
   prepared.update(r, w);
   w.xor_k = prepared.xor_k;
@@ -513,6 +594,9 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
   w.src_n = prepared.src_n;
   w.a_masks = prepared.a_masks;
   w.b_masks = prepared.b_masks;
+  w.shift_count = prepared.shift_count;
+  w.shift_offset = prepared.shift_offset;
+  w.shift_mask = prepared.shift_mask;
   dispatch_rows<L>(prepared.kind, w, tile);
   // Non-temporal stores are weakly ordered: make them visible before the tile is reported done.
   if (w.stream) _mm_sfence();
