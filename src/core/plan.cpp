@@ -592,10 +592,10 @@ void expand_columns(const float* columns, TableWidth width, int64_t w, int64_t r
   switch (width) {
     case TableWidth::full: std::memcpy(out, columns, std::size_t(rd) * 4); return;
     case TableWidth::halves:
-      for (int64_t j = 0; j < rd; ++j) out[j] = columns[j % w];
+      for (int64_t j = 0; j < rd; j += w) std::memcpy(out + j, columns, std::size_t(w) * 4);
       return;
     case TableWidth::pairs:
-      for (int64_t j = 0; j < rd; ++j) out[j] = columns[j / 2];
+      for (int64_t c = 0; c < w; ++c) out[2 * c] = out[2 * c + 1] = columns[c];
       return;
   }
 }

@@ -1,6 +1,7 @@
 #include "rome/rotation.hpp"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <string>
 
@@ -128,6 +129,11 @@ const TilePacks& RotationData::tile_packs() const {
     lazy_tile_packs_->packs.b = pack_tiles(dense_b, rotary_dim, dense_blocks);
   });
   return lazy_tile_packs_->packs;
+}
+
+std::uint64_t next_rotation_uid() noexcept {
+  static std::atomic<std::uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
 }
 
 }  // namespace detail

@@ -60,7 +60,12 @@ struct TilePacks {
   TilePackedMatrix a, b;  // a empty when A = I
 };
 
+// A number no other rotation built in this process has (copies keep it: they share the
+// analysed matrices). Kernels that cache per-rotation data check it before comparing content.
+std::uint64_t next_rotation_uid() noexcept;
+
 struct RotationData {
+  std::uint64_t uid = next_rotation_uid();
   std::int64_t head_dim = 0;
   std::int64_t rotary_dim = 0;
   Rotation::Kind kind = Rotation::Kind::signed_permutation;

@@ -468,8 +468,9 @@ ROME_INLINE bool equal(const std::vector<T>& a, const std::vector<T>& b) {
   return a.size() == b.size() && equal_bytes(a.data(), b.data(), a.size() * sizeof(T));
 }
 
-// Everything derived from the rotation alone, kept per thread and rebuilt when a batch comes with
-// a different rotation (compared by content: a destroyed rotation's address may be reused).
+// Everything derived from the rotation alone, kept per thread and rebuilt when a call comes with
+// a different rotation: the same object (address and uid) is taken as is, another one is
+// compared by content.
 class Prepared {
  public:
   Kind kind = Kind::general;
@@ -485,7 +486,16 @@ class Prepared {
   const __m256* shift_mask = nullptr;
 
   void update(const RotationData& r, Work& w) {
-    if (matches(r)) return;
+    // The same object of the same lineage: nothing to compare (an address reused by another
+    // rotation comes with another uid).
+    if (&r == last_ && r.uid == last_uid_) return;
+    if (!matches(r)) rebuild(r, w);
+    last_ = &r;
+    last_uid_ = r.uid;
+  }
+
+ private:
+  void rebuild(const RotationData& r, Work& w) {
     rd_ = r.rotary_dim;
     a_identity_ = r.a_identity;
     b_src_ = r.b.src;
@@ -530,13 +540,14 @@ class Prepared {
     a_masks = a_masks_v;
   }
 
- private:
   bool matches(const RotationData& r) const {
     return rd_ == r.rotary_dim && a_identity_ == r.a_identity && equal(b_src_, r.b.src) &&
            equal(b_sign_, r.b.sign) &&
            (r.a_identity || (equal(a_src_, r.a.src) && equal(a_sign_, r.a.sign)));
   }
 
+  const RotationData* last_ = nullptr;
+  std::uint64_t last_uid_ = 0;
   std::int64_t rd_ = -1;
   bool a_identity_ = true;
   std::vector<std::int32_t> a_src_, b_src_;
