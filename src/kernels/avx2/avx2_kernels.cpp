@@ -1,24 +1,26 @@
 // AVX2 + FMA + F16C kernels: signed-permutation rotations as in-register permutes.
 //
-// Same scheme as the AVX-512 kernel with 8-lane vectors. Per batch, the cos/sin row is loaded
-// once with the signs of A and B folded in ((±x)·c == x·(±c) and fma(±x, s, t) == fma(x, ±s, t)
-// bit for bit) and plan B is classified once per rotation (cached per thread):
+// The core hands over tiles of rows with their table rows, the signs of A and B already folded
+// in ((±x)·c == x·(±c) and fma(±x, s, t) == fma(x, ±s, t) bit for bit). Plan B is classified
+// once per rotation (cached per thread):
 //  - pairs:   interleave: every vector swaps its lane pairs (vpermilps);
 //  - local:   every output vector permutes its own input vector (vpermps + blend);
 //  - half / quarter move: output vector v is input vector v ^ K; the two vectors of a pair are
 //             read before either is written (in place safe), no permute;
 //  - single / move: every output vector permutes (or is) one input vector, read straight from x
 //             (out of place);
+//  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
+//             widened into an fp32 buffer (block diagonals such as 44+44+40);
 //  - general (and single / move in place): the row is widened into an fp32 buffer first and
 //             every output vector is built by vpermps (_mm256_permutevar8x32_ps) steps of the
 //             plan, blended into a zeroed accumulator.
-// Then t = xa · cos (rounded), y = fma(xb, sin, t), one rounding to the storage type: the scalar
-// kernel's operation order, so every bit matches it. Rows whose rotary_dim is not a multiple of
-// 8 end with masked loads/stores (fp32) or a staging buffer (16-bit types). bf16 is narrowed by
-// integer round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact).
-// Large tensors: prefetch ahead and non-temporal stores, as in the AVX-512 kernel.
-// A non-identity A with a lane that has no source (the scalar kernel computes 0 · x there) is
-// handed to the scalar kernel.
+// bf16 rows of the pairs, half and quarter kinds go 16 lanes at a time on tables in even/odd
+// order (TableLayout::even_odd_16): no permute, no pack. The epilogue is avx2::combine (the
+// scalar kernel's compensated xa·c + xb·s, operation for operation), then one rounding to the
+// storage type, so every bit matches the scalar kernel. Rows whose rotary_dim is not a multiple
+// of 8 end with masked loads/stores (fp32) or a staging buffer (16-bit types). bf16 is narrowed
+// by integer round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact).
+// Non-temporal stores only when the core asks (out of place, output larger than the LLC).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

@@ -1,10 +1,10 @@
 // AVX-512 kernels (F, BW, VL, DQ; BF16 when the CPU has it): signed-permutation rotations as
 // in-register permutes.
 //
-// Per batch (rows sharing one table row) the cos/sin row is loaded once with the signs of A and B
-// folded in: (±x)·c == x·(±c) and fma(±x, s, t) == fma(x, ±s, t) bit for bit (the product is
-// exact before the one rounding, and rounding is symmetric; only a NaN in the tables would come
-// out with the other sign). Plan B is classified once per rotation (cached per thread):
+// The core hands over tiles of rows with their table rows, the signs of A and B already folded
+// in: (±x)·c == x·(±c) and fma(±x, s, t) == fma(x, ±s, t) bit for bit (the product is exact
+// before the one rounding, and rounding is symmetric). Plan B is classified once per rotation
+// (cached per thread):
 //  - pairs:   interleave: every vector swaps its lane pairs (vpermilps);
 //  - local:   every output vector permutes its own input vector (vpermps);
 //  - half / quarter move: output vector v is input vector v ^ V/2 (half) or v ^ V/4 (quarter,
@@ -12,23 +12,17 @@
 //  - single / move: every output vector permutes (or is) one input vector;
 //  - general: anything else (3D 44+44+40, interleave_half, dense signed permutations): vpermt2ps
 //             (_mm512_permutex2var_ps) over pairs of input vectors, blended under lane masks.
-// Lanes without a source are zeroed by the permute masks. The math is t = xa · cos (rounded),
-// y = fma(xb, sin, t), one rounding to the storage type at the end: the scalar kernel's operation
-// order, so every bit matches it. Rotary dims 64, 128 and 256 keep the whole row in registers;
-// other sizes end with a masked vector, and in place the general paths widen the row into an
-// fp32 buffer first. Either way every source of a row is read before the row is written.
+// Lanes without a source are zeroed by the permute masks. The epilogue is avx512::combine (the
+// scalar kernel's compensated xa·c + xb·s, operation for operation), one rounding to the storage
+// type at the end, so every bit matches the scalar kernel. Rotary dims 64, 128 and 256 keep the
+// whole row in registers; other sizes end with a masked vector, and in place the general paths
+// widen the row into an fp32 buffer first. Either way every source of a row is read before the
+// row is written.
 //
 // bf16 is narrowed with vcvtne2ps2bf16 / vcvtneps2bf16 when the CPU has AVX512-BF16 (they flush
 // subnormals, so a row holding one takes the integer round-to-nearest-even path), else with
-// integer arithmetic; fp16 uses vcvtps2ph / vcvtph2ps, exact both ways.
-//
-// Memory: a batch that belongs to a large tensor (rows of one batch spread over >= 1 MiB, or a
-// run of contiguous batches that long) prefetches rows ahead and the next table rows (one stream
-// per head in [.., S, D] layouts defeats the hardware prefetchers); past 4 MiB, 64-byte aligned
-// rows are written with non-temporal stores, fenced at the end of the batch.
-//
-// A non-identity A with a lane that has no source (the scalar kernel computes 0 · x there, whose
-// sign the folding cannot reproduce) is handed to the scalar kernel.
+// integer arithmetic; fp16 uses vcvtps2ph / vcvtph2ps, exact both ways. Non-temporal stores only
+// when the core asks (out of place, output larger than the LLC), fenced at the end of the tile.
 //
 // GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
 #include <cstdint>

@@ -1,5 +1,5 @@
 // Portable kernels: the fallback on every CPU and the reference the SIMD kernels must match bit
-// for bit (same operation order: t = xa·cos rounded, then y = fma(xb, sin, t)).
+// for bit (the same operations in the same order: combine() below).
 #include <cmath>
 #include <cstring>
 #include <vector>
