@@ -157,9 +157,7 @@ void finish_permutation(RotationData& d) {
   d.b_t = d.b.transposed();
   auto plans = [&](int width, bool two) {
     return detail::PermutePlans{detail::VectorPermutePlan::build(d.a, width, two),
-                                detail::VectorPermutePlan::build(d.b, width, two),
-                                detail::VectorPermutePlan::build(d.a_t, width, two),
-                                detail::VectorPermutePlan::build(d.b_t, width, two)};
+                                detail::VectorPermutePlan::build(d.b, width, two)};
   };
   d.avx2 = plans(8, false);
   d.avx512 = plans(16, true);

@@ -43,8 +43,7 @@ struct VectorPermutePlan {
 };
 
 struct PermutePlans {
-  VectorPermutePlan a, b;      // forward: x·A, x·B
-  VectorPermutePlan a_t, b_t;  // backward: v·Aᵀ, v·Bᵀ
+  VectorPermutePlan a, b;  // x·A, x·B
 };
 
 // A dense matrix split into bf16 hi + lo parts (m ≈ hi + lo to about 2^-16 relative) and packed

@@ -287,8 +287,9 @@ ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
 }
 
-ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w, bool stream) {
-  if (stream)
+template <bool kStream>
+ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w) {
+  if constexpr (kStream)
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), w);
   else
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), w);
@@ -298,9 +299,9 @@ ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w, bool stream) {
 // (half, quarter) or a with even and odd swapped (interleave). The fast path skips both NaN
 // guards (the epilogue's and the rounding's); a chunk with a NaN among its results, which is
 // exactly where a guard can matter, is redone the exact way.
-template <bool kPairs>
+template <bool kPairs, bool kStream>
 ROME_INLINE void bf16_chunk(const EvenOdd& a, const EvenOdd& b, const float* C, const float* S,
-                            std::uint16_t* y, bool stream) {
+                            std::uint16_t* y) {
   const __m256 b_even = kPairs ? a.odd : b.even, b_odd = kPairs ? a.even : b.odd;
   const __m256 c_even = _mm256_load_ps(C), c_odd = _mm256_load_ps(C + kW);
   const __m256 s_even = _mm256_load_ps(S), s_odd = _mm256_load_ps(S + kW);
@@ -310,18 +311,22 @@ ROME_INLINE void bf16_chunk(const EvenOdd& a, const EvenOdd& b, const float* C, 
       _mm256_or_ps(_mm256_cmp_ps(even, even, _CMP_UNORD_Q), _mm256_cmp_ps(odd, odd, _CMP_UNORD_Q));
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
   if (__builtin_expect(_mm256_testz_ps(nan, nan), 1)) {
-    store_bf16(y,
-               _mm256_or_si256(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
-                               _mm256_and_si256(round_bf16_high_not_nan(odd), high)),
-               stream);
+    store_bf16<kStream>(y, _mm256_or_si256(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
+                                           _mm256_and_si256(round_bf16_high_not_nan(odd), high)));
     return;
   }
   even = avx2::combine(a.even, c_even, b_even, s_even);
   odd = avx2::combine(a.odd, c_odd, b_odd, s_odd);
-  store_bf16(y,
-             _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
-                             _mm256_and_si256(round_bf16_high(odd), high)),
-             stream);
+  store_bf16<kStream>(y, _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
+                                         _mm256_and_si256(round_bf16_high(odd), high)));
+}
+
+template <typename L, bool kStream>
+ROME_INLINE void row_bf16_pairs(std::int64_t chunks, const Row<L>& row) {
+  for (std::int64_t c = 0; c < 16 * chunks; c += 16) {
+    const EvenOdd a = split_bf16(row.x + c);
+    bf16_chunk<true, kStream>(a, a, row.C + c, row.S + c, row.y + c);
+  }
 }
 
 template <typename L>
@@ -329,29 +334,37 @@ ROME_INLINE void rows_bf16_pairs(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16;
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const Row<L> row = row_of<L>(tile, n);
-    const bool stream = streaming_row<L>(w, row.y);
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      const EvenOdd a = split_bf16(row.x + 16 * c);
-      bf16_chunk<true>(a, a, row.C + 16 * c, row.S + 16 * c, row.y + 16 * c, stream);
-    }
+    if (streaming_row<L>(w, row.y))
+      row_bf16_pairs<L, true>(chunks, row);
+    else
+      row_bf16_pairs<L, false>(chunks, row);
     pass_through<L>(w, row.x, row.y);
   }
 }
 
-// Chunks c and c ^ K swap roles; both are read before either is written (in place safe).
+// Chunks c and c + K (lanes 16c.. and 16(c + K)..) swap roles, for c in the first K chunks of
+// every 2K; both are read before either is written (in place safe).
+template <typename L, bool kStream>
+ROME_INLINE void row_bf16_xor(std::int64_t chunks, std::int64_t K, const Row<L>& row) {
+  const std::int64_t d = 16 * K;
+  for (std::int64_t c0 = 0; c0 < 16 * chunks; c0 += 2 * d) {
+    for (std::int64_t c = c0; c < c0 + d; c += 16) {
+      const EvenOdd a = split_bf16(row.x + c), b = split_bf16(row.x + c + d);
+      bf16_chunk<false, kStream>(a, b, row.C + c, row.S + c, row.y + c);
+      bf16_chunk<false, kStream>(b, a, row.C + c + d, row.S + c + d, row.y + c + d);
+    }
+  }
+}
+
 template <typename L>
 ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const Row<L> row = row_of<L>(tile, n);
-    const bool stream = streaming_row<L>(w, row.y);
-    for (std::int64_t c = 0; c < chunks; ++c) {
-      if (c & K) continue;
-      const std::int64_t d = c ^ K;
-      const EvenOdd a = split_bf16(row.x + 16 * c), b = split_bf16(row.x + 16 * d);
-      bf16_chunk<false>(a, b, row.C + 16 * c, row.S + 16 * c, row.y + 16 * c, stream);
-      bf16_chunk<false>(b, a, row.C + 16 * d, row.S + 16 * d, row.y + 16 * d, stream);
-    }
+    if (streaming_row<L>(w, row.y))
+      row_bf16_xor<L, true>(chunks, K, row);
+    else
+      row_bf16_xor<L, false>(chunks, K, row);
     pass_through<L>(w, row.x, row.y);
   }
 }
