@@ -3,7 +3,9 @@
 // rope/<isa>/<dtype>/<variant>/threads:<n>
 //     x = [1, 24, 28800, 128] BNSD with [S, rd] fp32 tables (or, positions_cache_*, a [S, 128]
 //     fp32 cache gathered by positions); llm_prefill_*: Q [1, 4096, 32, 128] + GQA K
-//     [1, 4096, 8, 128] in BSND layout, positions + [4096, 128] fp32 cache.
+//     [1, 4096, 8, 128] in BSND layout, positions + [4096, 128] fp32 cache; bsnd_*: the same
+//     x bytes as [1, 28800, 24, 128]; packed_qk_*: q (16 heads) and k (4 heads) slices of a
+//     fused [28800, 24·128] buffer.
 // decode/<isa>/<dtype>/<mode>: Q [1, 1, 32, 128] + K [1, 1, 8, 128], one token, one thread.
 // copy/<dtype>/<shape>/threads:<n>: memcpy x -> y plus a read pass over the tables, cut into
 //     <n> pieces run on RoME's own thread pool (the threading of rope_forward).
@@ -138,7 +140,10 @@ double time_once(const std::function<void()>& f) {
 // ---------------------------------------------------------------------------------------------
 // Cases
 
-enum class Shape { bnsd, llm };
+// bnsd: x [1, 24, 28800, 128]; bsnd: the same bytes as [1, 28800, 24, 128] with tables
+// [1, S, 1, rd]; packed: q (16 heads) and k (4 heads) slices of a fused [28800, 24·128] buffer
+// (the other 4 heads, v, untouched) with [S, 1, rd] tables; llm: the prefill shapes below.
+enum class Shape { bnsd, bsnd, packed, llm };
 
 struct Case {
   std::string name;  // variant name
@@ -167,6 +172,13 @@ std::vector<Case> bnsd_cases() {
     cases.push_back({"positions_cache_" + m, Shape::bnsd, half_blocks({128}, il), true});
   }
   cases.push_back({"wan_3d_44_42_42_interleave", Shape::bnsd, half_blocks({44, 42, 42}, true)});
+  for (bool il : {false, true}) {
+    const std::string m = il ? "interleave" : "half";
+    cases.push_back({"bsnd_1d_" + m, Shape::bsnd, half_blocks({128}, il)});
+    cases.push_back({"packed_qk_1d_" + m, Shape::packed, half_blocks({128}, il)});
+  }
+  cases.push_back({"bsnd_3d_44_44_40_half", Shape::bsnd, half_blocks({44, 44, 40}, false)});
+  cases.push_back({"packed_qk_3d_44_44_40_half", Shape::packed, half_blocks({44, 44, 40}, false)});
   cases.push_back({"llm_prefill_half", Shape::llm, [] { return Rotation::half(128); }});
   cases.push_back({"llm_prefill_interleave", Shape::llm, [] { return Rotation::interleave(128); }});
   // Dense rotations (issue 6): the FMA paths here, the matrix unit where the CPU has AMX.
@@ -219,6 +231,44 @@ Call make_call(const Case& c, DType dtype) {
     call.copy.spans = {{d.x.as<const char>(), d.y.as<char>(), std::size_t(xb)},
                        {d.cos.as<const char>(), nullptr, std::size_t(table_bytes / 2)},
                        {d.sin.as<const char>(), nullptr, std::size_t(table_bytes / 2)}};
+  } else if (c.shape == Shape::bsnd || c.shape == Shape::packed) {
+    d.ensure_x(dtype);
+    const double table_bytes = 2.0 * kSeq * rd * 4;
+    if (c.shape == Shape::bsnd) {
+      auto xv = rome::make_view<void*>(d.x.data, dtype, {1, kSeq, kHeads, kDim});
+      auto yv = rome::make_view<void*>(d.y.data, dtype, {1, kSeq, kHeads, kDim});
+      call.q = {rome::as_const(xv), yv};
+      call.tables.cos = rome::make_view<const void*>(d.cos.data, DType::f32, {1, kSeq, 1, rd});
+      call.tables.sin = rome::make_view<const void*>(d.sin.data, DType::f32, {1, kSeq, 1, rd});
+      const double xb = double(kHeads * kSeq * kDim * es);
+      call.bytes = 2 * xb + table_bytes;
+      call.copy.spans = {{d.x.as<const char>(), d.y.as<char>(), std::size_t(xb)},
+                         {d.cos.as<const char>(), nullptr, std::size_t(table_bytes / 2)},
+                         {d.sin.as<const char>(), nullptr, std::size_t(table_bytes / 2)}};
+    } else {
+      constexpr std::int64_t kQHeads = 16, kKHeads = 4;
+      auto slice = [&](void* base, std::int64_t first_head, std::int64_t heads) {
+        rome::TensorView v = rome::make_view<void*>(base, dtype, {kSeq, heads, kDim});
+        v.data = static_cast<char*>(base) + first_head * kDim * es;
+        v.strides[0] = kHeads * kDim;  // the fused row
+        return v;
+      };
+      const rome::TensorView qi = slice(d.x.data, 0, kQHeads),
+                             ki = slice(d.x.data, kQHeads, kKHeads);
+      const rome::TensorView qo = slice(d.y.data, 0, kQHeads),
+                             ko = slice(d.y.data, kQHeads, kKHeads);
+      call.q = {rome::as_const(qi), qo};
+      call.k = {rome::as_const(ki), ko};
+      call.has_k = true;
+      call.tables.cos = rome::make_view<const void*>(d.cos.data, DType::f32, {kSeq, 1, rd});
+      call.tables.sin = rome::make_view<const void*>(d.sin.data, DType::f32, {kSeq, 1, rd});
+      // The floor copies as many bytes (contiguous): q and k are 20 of the 24 heads.
+      const double xb = double((kQHeads + kKHeads) * kSeq * kDim * es);
+      call.bytes = 2 * xb + table_bytes;
+      call.copy.spans = {{d.x.as<const char>(), d.y.as<char>(), std::size_t(xb)},
+                         {d.cos.as<const char>(), nullptr, std::size_t(table_bytes / 2)},
+                         {d.sin.as<const char>(), nullptr, std::size_t(table_bytes / 2)}};
+    }
   } else {
     d.ensure_llm(dtype);
     auto qv = rome::make_view<void*>(d.q.data, dtype, {1, kLlmSeq, kLlmQHeads, kDim});
@@ -382,7 +432,10 @@ std::vector<Isa> simd_isas() {
 void register_all() {
   const std::vector<Case> cases = bnsd_cases();
   const Case bnsd_1d = cases[0];
-  const Case llm = cases[11];  // llm_prefill_half
+  const auto named = [&](const std::string& name) {
+    return *std::find_if(cases.begin(), cases.end(), [&](const Case& c) { return c.name == name; });
+  };
+  const Case llm = named("llm_prefill_half");
   const Case partial = cases[3];
   for (DType dtype : {DType::bf16, DType::f16, DType::f32}) {
     const std::string dt = dtype_tag(dtype);
