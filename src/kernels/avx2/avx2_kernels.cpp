@@ -97,6 +97,20 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
     copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
 }
 
+// avx2::combine without its guard for a non-finite xa·c. Where the guard matters (xa·c is inf
+// or NaN) this returns NaN, and where it returns no NaN it equals avx2::combine bit for bit:
+// then p = xa·c is finite, so e = fma(xa, c, -p) is too and nothing was guarded.
+ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+  const __m256 p = _mm256_mul_ps(xa, c);
+  return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
+}
+
+ROME_INLINE bool any_nan(__m256 a, __m256 b) {
+  const __m256 nan =
+      _mm256_or_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q), _mm256_cmp_ps(b, b, _CMP_UNORD_Q));
+  return !_mm256_testz_ps(nan, nan);
+}
+
 template <typename L>
 ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const Row<L>& row, std::int64_t v) {
   return avx2::combine(xa, _mm256_load_ps(row.C + kW * v), xb, _mm256_load_ps(row.S + kW * v));
@@ -136,19 +150,28 @@ ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
 }
 
 // half / quarter move: vectors v and v ^ K swap roles; both are read before either is written.
+// The pair is combined without the epilogue's guard and redone with it when a result is NaN
+// (the only case where the guard can matter; see combine_unguarded).
 template <typename L>
 ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
-  const int K = w.xor_k;
+  const std::int64_t K = w.xor_k;
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const Row<L> row = row_of<L>(tile, n);
     const bool stream = streaming_row<L>(w, row.y);
-    for (std::int64_t v = 0; v < w.V; ++v) {
-      if (v & K) continue;
-      const std::int64_t u = v ^ K;
-      const __m256 a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
-      const __m256 out_v = combine(a, b, row, v), out_u = combine(b, a, row, u);
-      put<L>(w, stream, row.y, v, out_v);
-      put<L>(w, stream, row.y, u, out_u);
+    for (std::int64_t v0 = 0; v0 < w.V; v0 += 2 * K) {
+      for (std::int64_t v = v0; v < v0 + K; ++v) {
+        const std::int64_t u = v + K;
+        const __m256 a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
+        const __m256 cv = _mm256_load_ps(row.C + kW * v), sv = _mm256_load_ps(row.S + kW * v);
+        const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
+        __m256 out_v = combine_unguarded(a, cv, b, sv), out_u = combine_unguarded(b, cu, a, su);
+        if (__builtin_expect(any_nan(out_v, out_u), 0)) {
+          out_v = avx2::combine(a, cv, b, sv);
+          out_u = avx2::combine(b, cu, a, su);
+        }
+        put<L>(w, stream, row.y, v, out_v);
+        put<L>(w, stream, row.y, u, out_u);
+      }
     }
     pass_through<L>(w, row.x, row.y);
   }
@@ -277,14 +300,6 @@ ROME_INLINE __m256i round_bf16_high_not_nan(__m256 v) {
   const __m256i u = _mm256_castps_si256(v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-}
-
-// avx2::combine without its guard for a non-finite xa·c. Where the guard matters (xa·c is inf
-// or NaN) this returns NaN, and where it returns no NaN it equals avx2::combine bit for bit:
-// then p = xa·c is finite, so e = fma(xa, c, -p) is too and nothing was guarded.
-ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
-  const __m256 p = _mm256_mul_ps(xa, c);
-  return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
 }
 
 template <bool kStream>
