@@ -179,7 +179,8 @@ def run_row(row: Row, cfg: Config, timer_path, progress: Callable[[str], None]) 
             entry["na"] = "--no-compile"
             continue
         if m.compiled and cfg.compile_rows is not None and row.key not in cfg.compile_rows:
-            entry["na"] = "--quick: torch.compile only on " + ", ".join(cfg.compile_rows)
+            entry["na"] = ("torch.compile only on " + ", ".join(cfg.compile_rows) +
+                           ("" if cfg.quick else " (--full: every row)"))
             continue
         progress(m.label + (": compiling" if m.compiled else ": warm-up"))
         try:
