@@ -234,27 +234,27 @@ Isa set_max_isa(Isa limit) noexcept {
   return isa;
 }
 
+namespace {
+// ROME_NUM_THREADS when set to a positive count, else 0; read once.
+int env_num_threads() noexcept {
+  static const int threads = [] {
+    const char* env = std::getenv("ROME_NUM_THREADS");
+    const int n = env && *env ? std::atoi(env) : 0;
+    return n > 0 ? n : 0;
+  }();
+  return threads;
+}
+}  // namespace
+
 int default_num_threads() noexcept {
   // Read once: hardware_concurrency() reads sysfs, far too slow for every decode call.
-  static const int threads = [] {
-    if (const char* env = std::getenv("ROME_NUM_THREADS"); env && *env) {
-      const int n = std::atoi(env);
-      if (n > 0) return n;
-    }
-    return detail::hardware_threads();
-  }();
+  static const int threads = env_num_threads() > 0 ? env_num_threads() : detail::hardware_threads();
   return threads;
 }
 
 int requested_num_threads() noexcept {
   const int configured = detail::configured_threads.load(std::memory_order_relaxed);
-  if (configured > 0) return configured;
-  static const int from_env = [] {
-    const char* env = std::getenv("ROME_NUM_THREADS");
-    const int n = env && *env ? std::atoi(env) : 0;
-    return n > 0 ? n : 0;
-  }();
-  return from_env;
+  return configured > 0 ? configured : env_num_threads();
 }
 
 void set_num_threads(int threads) {

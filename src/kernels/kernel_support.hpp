@@ -1,4 +1,4 @@
-// Portable helpers shared by the SIMD kernels: scratch buffers.
+// Portable helpers shared by the SIMD kernels: scratch buffers, the rows of a tile.
 #pragma once
 
 #include <cstddef>
@@ -36,5 +36,21 @@ class Scratch {
   void* data_ = nullptr;
   std::size_t size_ = 0;
 };
+
+// One row of a tile as storage type T: its x, y and table rows (signs folded in, padded to
+// whole vectors).
+template <typename T>
+struct TileRow {
+  const T* x;
+  T* y;
+  const float* C;
+  const float* S;
+};
+
+template <typename T>
+ROME_INLINE TileRow<T> tile_row(const ForwardTile& tile, std::int64_t n) {
+  return {static_cast<const T*>(tile.x_row(n)), static_cast<T*>(tile.y_row(n)), tile.cos_row(n),
+          tile.sin_row(n)};
+}
 
 }  // namespace rome::kernels

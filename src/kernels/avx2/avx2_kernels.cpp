@@ -76,19 +76,12 @@ ROME_INLINE int lanes_of(const Work& w, std::int64_t v) {
   return v == w.V - 1 ? w.tail : kW;
 }
 
-// One row of a tile: its x, y and table rows (signs folded in, padded to whole vectors).
 template <typename L>
-struct Row {
-  const typename L::T* x;
-  typename L::T* y;
-  const float* C;
-  const float* S;
-};
+using Row = TileRow<typename L::T>;
 
 template <typename L>
 ROME_INLINE Row<L> row_of(const ForwardTile& tile, std::int64_t n) {
-  return {static_cast<const typename L::T*>(tile.x_row(n)),
-          static_cast<typename L::T*>(tile.y_row(n)), tile.cos_row(n), tile.sin_row(n)};
+  return tile_row<typename L::T>(tile, n);
 }
 
 template <typename L>
@@ -111,8 +104,8 @@ ROME_INLINE bool any_nan(__m256 a, __m256 b) {
   return !_mm256_testz_ps(nan, nan);
 }
 
-template <typename L>
-ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const Row<L>& row, std::int64_t v) {
+template <typename T>
+ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const TileRow<T>& row, std::int64_t v) {
   return avx2::combine(xa, _mm256_load_ps(row.C + kW * v), xb, _mm256_load_ps(row.S + kW * v));
 }
 

@@ -83,19 +83,12 @@ ROME_INLINE __mmask16 lanes_of(const Work& w, std::int64_t v) {
   return v == w.V - 1 ? w.tail : __mmask16(0xffff);
 }
 
-// One row of a tile: its x, y and table rows (signs folded in, padded to whole vectors).
 template <typename L>
-struct Row {
-  const typename L::T* x;
-  typename L::T* y;
-  const float* C;
-  const float* S;
-};
+using Row = TileRow<typename L::T>;
 
 template <typename L>
 ROME_INLINE Row<L> row_of(const ForwardTile& tile, std::int64_t n) {
-  return {static_cast<const typename L::T*>(tile.x_row(n)),
-          static_cast<typename L::T*>(tile.y_row(n)), tile.cos_row(n), tile.sin_row(n)};
+  return tile_row<typename L::T>(tile, n);
 }
 
 template <typename L>
@@ -104,8 +97,8 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
     copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
 }
 
-template <typename L>
-ROME_INLINE __m512 combine(__m512 xa, __m512 xb, const Row<L>& row, std::int64_t v) {
+template <typename T>
+ROME_INLINE __m512 combine(__m512 xa, __m512 xb, const TileRow<T>& row, std::int64_t v) {
   return avx512::combine(xa, _mm512_load_ps(row.C + kW * v), xb, _mm512_load_ps(row.S + kW * v));
 }
 
