@@ -157,7 +157,7 @@ namespace {
 struct CacheEntry {
   std::string kind;
   std::vector<int64_t> blocks;
-  int64_t rotary_dim = 0, head_dim = 0;
+  int64_t rotary_dim = 0, head_dim = 0, lane_offset = 0;
   bool has_a = false;
   std::vector<float> a, b;
   std::optional<rome::Rotation> rotation;
@@ -183,7 +183,8 @@ rome::Rotation named_rotation(const std::string& kind, int64_t dim) {
 rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t>& blocks,
                               int64_t rotary_dim, int64_t head_dim,
                               const std::optional<Tensor>& mat_a,
-                              const std::optional<Tensor>& mat_b, const std::string& mat_b_name) {
+                              const std::optional<Tensor>& mat_b, const std::string& mat_b_name,
+                              int64_t lane_offset) {
   const bool forced = kind == "dense_forced";
   const bool dense = kind == "dense" || forced;
   if (!dense && kind != "half" && kind != "interleave" && kind != "quarter" &&
@@ -247,7 +248,8 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
     std::lock_guard<std::mutex> lock(cache_mutex);
     for (auto it = cache.rbegin(); it != cache.rend(); ++it)
       if (it->kind == kind && it->rotary_dim == rd && it->head_dim == head_dim &&
-          it->blocks == blocks && it->has_a == has_a && it->a == a && it->b == b)
+          it->lane_offset == lane_offset && it->blocks == blocks && it->has_a == has_a &&
+          it->a == a && it->b == b)
         return *it->rotation;
   }
   rome::Rotation rotation = [&] {
@@ -261,12 +263,12 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
     for (int64_t size : blocks) parts.push_back(named_rotation(kind, size));
     return rome::Rotation::block_diag(parts);
   }();
-  if (rd < head_dim) rotation = rotation.partial(head_dim);
+  if (rd < head_dim) rotation = rotation.partial(head_dim, lane_offset);
   if (cacheable) {
     std::lock_guard<std::mutex> lock(cache_mutex);
     if (cache.size() >= kCacheEntries) cache.erase(cache.begin());
-    cache.push_back(
-        CacheEntry{kind, blocks, rd, head_dim, has_a, std::move(a), std::move(b), rotation});
+    cache.push_back(CacheEntry{kind, blocks, rd, head_dim, lane_offset, has_a, std::move(a),
+                               std::move(b), rotation});
   }
   return rotation;
 }

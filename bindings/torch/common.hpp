@@ -25,7 +25,8 @@ Tensor readable(const Tensor& t);
 Tensor alloc_like(const Tensor& t);
 rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t>& blocks,
                               int64_t rotary_dim, int64_t head_dim, const OptTensor& mat_a,
-                              const OptTensor& mat_b, const std::string& mat_b_name);
+                              const OptTensor& mat_b, const std::string& mat_b_name,
+                              int64_t lane_offset = 0);
 std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
                                            c10::IntArrayRef x_sizes);
 // Threads as torch has them (at::parallel_for, torch.set_num_threads), unless the user asked

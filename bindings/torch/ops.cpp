@@ -90,7 +90,9 @@ using RopeOutSig = void(const Tensor&, const OptTensor&, const Tensor&, const Te
 using RopeMatrixSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using RopeMatrixInplaceSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using RotaryEmbeddingSig = void(const Tensor&, const Tensor&, const OptTensor&, int64_t,
-                                const Tensor&, bool);
+                                const Tensor&, bool, int64_t, bool);
+using RerotatePagedSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, c10::string_view, int64_t);
 using InterleavedSig = Tensor(const Tensor&, const Tensor&);
 using BackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
@@ -265,56 +267,96 @@ rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes
 }
 
 void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const OptTensor& key,
-                          int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
-  guarded(
-      {{"q", "query"},
-       {"q_out", "query"},
-       {"k", "key"},
-       {"k_out", "key"},
-       {"cos", "cos_sin_cache"},
-       {"sin", "cos_sin_cache"}},
-      [&] {
-        if (head_size <= 0)
-          rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
-                     std::to_string(head_size));
-        if (positions.dim() < 1 || positions.dim() > 2)
-          rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]",
-                     shape_of(positions));
-        if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 ||
-            cos_sin_cache.size(1) == 0)
-          rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-                     "[max_position, rotary_dim] with an even rotary_dim", shape_of(cos_sin_cache));
-        const int64_t rd = cos_sin_cache.size(1);
-        if (rd > head_size)
-          rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-                     "rotary_dim (its last axis) at most head_size " + std::to_string(head_size),
-                     shape_of(cos_sin_cache));
-        rome::Rotation rotation = build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size,
-                                                 std::nullopt, std::nullopt, "mat_b");
-        const int64_t token_axes = positions.dim();
-        const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
-        // positions [T] / [B, S] -> [T, 1] / [B, S, 1]: one position for every head.
-        rome::Tables tables;
-        tables.positions = const_view(positions, "positions", true);
-        tables.positions.rank = static_cast<int>(token_axes + 1);
-        tables.positions.shape[token_axes] = 1;
-        tables.positions.strides[token_axes] = 0;
-        // cos = cache[:, :rd/2], sin = cache[:, rd/2:] as views of the cache (no narrow():
-        // two tensor allocations per decode step).
-        tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
-        tables.cos.shape[1] = rd / 2;
-        tables.sin = tables.cos;
-        tables.sin.data = static_cast<const char*>(tables.cos.data) +
-                          (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
-        tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
-        const rome::Operand oq{rome::as_const(qv), qv};
-        rome::Operand ok;
-        if (has(key)) {
-          const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
-          ok = {rome::as_const(kv), kv};
-        }
-        rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr, exec_options());
-      });
+                          int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
+                          int64_t rope_dim_offset, bool inverse) {
+  guarded({{"q", "query"},
+           {"q_out", "query"},
+           {"k", "key"},
+           {"k_out", "key"},
+           {"cos", "cos_sin_cache"},
+           {"sin", "cos_sin_cache"}},
+          [&] {
+            if (head_size <= 0)
+              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+                         std::to_string(head_size));
+            if (positions.dim() < 1 || positions.dim() > 2)
+              rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]",
+                         shape_of(positions));
+            if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 ||
+                cos_sin_cache.size(1) == 0)
+              rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+                         "[max_position, rotary_dim] with an even rotary_dim",
+                         shape_of(cos_sin_cache));
+            const int64_t rd = cos_sin_cache.size(1);
+            if (rope_dim_offset < 0 || rope_dim_offset > head_size)
+              rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
+                         "an offset in [0, head_size " + std::to_string(head_size) + "]",
+                         std::to_string(rope_dim_offset));
+            if (rd > head_size - rope_dim_offset)
+              rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+                         "rotary_dim (its last axis) at most head_size - rope_dim_offset = " +
+                             std::to_string(head_size - rope_dim_offset),
+                         shape_of(cos_sin_cache));
+            rome::Rotation rotation =
+                build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
+                               std::nullopt, "mat_b", rope_dim_offset);
+            const int64_t token_axes = positions.dim();
+            const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
+            // positions [T] / [B, S] -> [T, 1] / [B, S, 1]: one position for every head.
+            rome::Tables tables;
+            tables.positions = const_view(positions, "positions", true);
+            tables.positions.rank = static_cast<int>(token_axes + 1);
+            tables.positions.shape[token_axes] = 1;
+            tables.positions.strides[token_axes] = 0;
+            // cos = cache[:, :rd/2], sin = cache[:, rd/2:] as views of the cache (no narrow():
+            // two tensor allocations per decode step).
+            tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
+            tables.cos.shape[1] = rd / 2;
+            tables.sin = tables.cos;
+            tables.sin.data = static_cast<const char*>(tables.cos.data) +
+                              (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
+            tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
+            tables.inverse = inverse;
+            const rome::Operand oq{rome::as_const(qv), qv};
+            rome::Operand ok;
+            if (has(key)) {
+              const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
+              ok = {rome::as_const(kv), kv};
+            }
+            rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr, exec_options());
+          });
+}
+
+void rerotate_paged_cpu(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
+                        const Tensor& block_table, const Tensor& seq_lens,
+                        c10::string_view rotation, int64_t rope_dim_offset) {
+  guarded({{"cache", "key_cache"}, {"q", "key_cache"}, {"head_dim", "key_cache"}}, [&] {
+    if (key_cache.dim() != 4)
+      rome::fail(rome::Status::invalid_argument, "key_cache",
+                 "rank 4 [num_blocks, block_size, heads, head_dim]", shape_of(key_cache));
+    if (cos.dim() != 2 || cos.size(1) == 0)
+      rome::fail(rome::Status::invalid_argument, "cos", "[num_seqs, rotary_dim/2]", shape_of(cos));
+    const std::string kind(rotation);
+    if (kind != "half" && kind != "interleave")
+      rome::fail(rome::Status::invalid_argument, "rotation", "'half' or 'interleave'",
+                 "'" + kind + "'");
+    const int64_t hd = key_cache.size(-1), rd = 2 * cos.size(1);
+    if (rope_dim_offset < 0 || rd + rope_dim_offset > hd)
+      rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
+                 "an offset in [0, head_dim - rotary_dim] = [0, " + std::to_string(hd - rd) + "]",
+                 std::to_string(rope_dim_offset));
+    const rome::Rotation r =
+        build_rotation(kind, {}, rd, hd, std::nullopt, std::nullopt, "mat_b", rope_dim_offset);
+    rome::Tables tables;
+    tables.cos = const_view(cos, "cos", false);
+    tables.sin = const_view(sin, "sin", false);
+    tables.width = kind == "half" ? rome::TableWidth::halves : rome::TableWidth::pairs;
+    rome::PagedKeys keys;
+    keys.cache = mutable_view(key_cache, "key_cache");
+    keys.block_table = const_view(block_table, "block_table", true);
+    keys.seq_lens = const_view(seq_lens, "seq_lens", true);
+    rome::rerotate_paged(r, tables, keys, exec_options());
+  });
 }
 
 // ExecuTorch: x [B, N, C], freqs_cis with N*C elements, (cos, sin) pairs innermost.
@@ -505,11 +547,21 @@ void rope_matrix_inplace_meta(const Tensor& x, const Tensor& mat, const Tensor& 
 }
 
 void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const OptTensor& key,
-                           int64_t, const Tensor& cos_sin_cache, bool) {
+                           int64_t, const Tensor& cos_sin_cache, bool, int64_t, bool) {
   require_all_meta({{"positions", &positions},
                     {"query", &query},
                     {"key", opt(key)},
                     {"cos_sin_cache", &cos_sin_cache}});
+}
+
+void rerotate_paged_meta(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
+                         const Tensor& block_table, const Tensor& seq_lens, c10::string_view,
+                         int64_t) {
+  require_all_meta({{"key_cache", &key_cache},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"block_table", &block_table},
+                    {"seq_lens", &seq_lens}});
 }
 
 Tensor interleaved_meta(const Tensor& x, const Tensor& freqs_cis) {
@@ -799,12 +851,22 @@ void rope_matrix_inplace_autograd(const Tensor& x, const Tensor& mat, const Tens
 }
 
 void rotary_embedding_autograd(const Tensor& positions, const Tensor& query, const OptTensor& key,
-                               int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
+                               int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
+                               int64_t rope_dim_offset, bool inverse) {
   ROME_OP(op, "rome::rotary_embedding", RotaryEmbeddingSig);
   inference_only("rotary_embedding",
                  {{"query", query}, {"key", key}, {"cos_sin_cache", cos_sin_cache}});
   at::AutoDispatchBelowAutograd guard;
-  op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
+  op.call(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse);
+}
+
+void rerotate_paged_autograd(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
+                             const Tensor& block_table, const Tensor& seq_lens,
+                             c10::string_view rotation, int64_t rope_dim_offset) {
+  ROME_OP(op, "rome::rerotate_paged_", RerotatePagedSig);
+  inference_only("rerotate_paged_", {{"key_cache", key_cache}, {"cos", cos}, {"sin", sin}});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(key_cache, cos, sin, block_table, seq_lens, rotation, rope_dim_offset);
 }
 
 // ADInplaceOrView: bump the version counters of mutated tensors.
@@ -853,14 +915,26 @@ void rope_matrix_inplace_view(const Tensor& x, const Tensor& mat, const Tensor& 
 }
 
 void rotary_embedding_view(const Tensor& positions, const Tensor& query, const OptTensor& key,
-                           int64_t head_size, const Tensor& cos_sin_cache, bool is_neox) {
+                           int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
+                           int64_t rope_dim_offset, bool inverse) {
   ROME_OP(op, "rome::rotary_embedding", RotaryEmbeddingSig);
   {
     at::AutoDispatchBelowADInplaceOrView guard;
-    op.call(positions, query, key, head_size, cos_sin_cache, is_neox);
+    op.call(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse);
   }
   bump(query);
   bump(key);
+}
+
+void rerotate_paged_view(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
+                         const Tensor& block_table, const Tensor& seq_lens,
+                         c10::string_view rotation, int64_t rope_dim_offset) {
+  ROME_OP(op, "rome::rerotate_paged_", RerotatePagedSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(key_cache, cos, sin, block_table, seq_lens, rotation, rope_dim_offset);
+  }
+  bump(key_cache);
 }
 
 }  // namespace
@@ -886,7 +960,13 @@ TORCH_LIBRARY(rome, m) {
       "-> ()");
   m.def(
       "rotary_embedding(Tensor positions, Tensor(a!) query, Tensor(b!)? key, int head_size, "
-      "Tensor cos_sin_cache, bool is_neox) -> ()");
+      "Tensor cos_sin_cache, bool is_neox, int rope_dim_offset=0, bool inverse=False) -> ()");
+  // Re-rotates the keys of a paged cache [num_blocks, block_size, heads, head_dim] in place:
+  // sequence b's slots [0, seq_lens[b]) of its blocks block_table[b] by cos/sin row b
+  // ([num_seqs, rotary_dim/2]: the angles of its position shift).
+  m.def(
+      "rerotate_paged_(Tensor(a!) key_cache, Tensor cos, Tensor sin, Tensor block_table, "
+      "Tensor seq_lens, str rotation=\"half\", int rope_dim_offset=0) -> ()");
   m.def("apply_rotary_emb_interleaved(Tensor x, Tensor freqs_cis) -> Tensor");
   // Backward of every op above (internal): grads of (q, k, cos, sin, mat_a, mat_b); outputs not
   // in output_mask are empty [0] tensors.
@@ -904,6 +984,7 @@ TORCH_LIBRARY_IMPL(rome, CPU, m) {
   m.impl("rope_", rope_inplace_cpu);
   m.impl("rope_out", rope_out_cpu);
   m.impl("rotary_embedding", rotary_embedding_cpu);
+  m.impl("rerotate_paged_", rerotate_paged_cpu);
   m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
   m.impl("_rope_backward", rope_backward_cpu);
 }
@@ -915,6 +996,7 @@ TORCH_LIBRARY_IMPL(rome, Meta, m) {
   m.impl("rope_", rope_inplace_meta);
   m.impl("rope_out", rope_out_meta);
   m.impl("rotary_embedding", rotary_embedding_meta);
+  m.impl("rerotate_paged_", rerotate_paged_meta);
   m.impl("apply_rotary_emb_interleaved", interleaved_meta);
   m.impl("_rope_backward", rope_backward_meta);
 }
@@ -926,6 +1008,7 @@ TORCH_LIBRARY_IMPL(rome, Autograd, m) {
   m.impl("rope_", rope_inplace_autograd);
   m.impl("rope_out", rope_out_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
+  m.impl("rerotate_paged_", rerotate_paged_autograd);
   m.impl("apply_rotary_emb_interleaved", interleaved_autograd);
 }
 
@@ -934,6 +1017,7 @@ TORCH_LIBRARY_IMPL(rome, ADInplaceOrView, m) {
   m.impl("rope_", rope_inplace_view);
   m.impl("rope_out", rope_out_view);
   m.impl("rotary_embedding", rotary_embedding_view);
+  m.impl("rerotate_paged_", rerotate_paged_view);
 }
 
 }  // namespace rome_torch

@@ -30,6 +30,10 @@ struct Tables {
   ConstTensorView positions;  // empty (rank 0, data == nullptr) for direct tables
   std::vector<int> column_axis;
   TableWidth width = TableWidth::full;
+  // Rotate by −θ: the sine is read negated (vLLM's `inverse`). For unit tables this undoes the
+  // rotation when A = I and B is antisymmetric (half, interleave, quarter, their blocks; not
+  // interleave_half, whose A reorders lanes). No table is rebuilt.
+  bool inverse = false;
 
   bool is_cache() const noexcept { return positions.data != nullptr || positions.rank > 0; }
 };
@@ -60,6 +64,26 @@ struct ExecOptions {
 // (GQA/MQA): its shape must equal q's on every axis the tables vary along.
 void rope_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                   const Operand* k = nullptr, const ExecOptions& options = {});
+
+// A paged key cache and the sequences whose keys to re-rotate (context shift, prefix reuse).
+// cache: [num_blocks, block_size, heads, head_dim], any strides but a contiguous last axis (a
+// [num_blocks, heads, block_size, head_dim] cache is passed as its permuted view).
+// block_table: int32/int64 [num_seqs, max_blocks]; seq_lens: int32/int64 [num_seqs]. Sequence b
+// owns slots [0, seq_lens[b]) of the blocks block_table[b][0 .. ceil(seq_lens[b]/block_size)):
+// only those slots are read and written, and no block may belong to two sequences.
+struct PagedKeys {
+  TensorView cache;
+  ConstTensorView block_table;
+  ConstTensorView seq_lens;
+};
+
+// Rotates the cached keys of every sequence in place by its own table row: tables are direct,
+// cos/sin [num_seqs, width] (row b: the angles delta_b·inv_freq of that sequence's position
+// shift, built by the caller in any precision; Tables::inverse rotates back). Rotations compose,
+// R(p + delta) = R(delta)·R(p), so keys rotated at p end as if rotated at p + delta. One pass over
+// the touched slots; no table of the sequence length. Everything is validated before a write.
+void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedKeys& keys,
+                    const ExecOptions& options = {});
 
 // How many distinct threads ran the calling thread's last rope_forward (0 when it had no work):
 // a diagnostic that shows which thread setting took effect.

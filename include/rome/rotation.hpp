@@ -16,9 +16,9 @@ struct RotationData;
 // nothing, per column) it is stored as a source lane and sign per output lane and runs as
 // in-register permutes; otherwise it is stored dense and runs as a matrix product.
 //
-// head_dim() is the size of the head (D); rotary_dim() is how many leading lanes the matrices
-// cover. Lanes past rotary_dim() pass through unchanged (partial rotary) and tables only cover
-// rotary_dim() lanes.
+// head_dim() is the size of the head (D); rotary_dim() is how many lanes the matrices cover,
+// starting at lane_offset() (0 unless set by partial()). The other lanes pass through unchanged
+// (partial rotary, [nope | rope] heads) and tables only cover rotary_dim() lanes.
 class Rotation {
  public:
   enum class Kind { signed_permutation, dense };
@@ -38,14 +38,19 @@ class Rotation {
   static Rotation block_diag(std::span<const Rotation> blocks);
   static Rotation block_diag(std::initializer_list<Rotation> blocks);
 
-  // This rotation on the first rotary_dim() lanes of a head of head_dim lanes.
-  Rotation partial(std::int64_t head_dim) const;
+  // This rotation on lanes [lane_offset, lane_offset + rotary_dim()) of a head of head_dim lanes
+  // (lane_offset: vLLM's rope_dim_offset, e.g. the rope part after the nope part of an MLA head).
+  Rotation partial(std::int64_t head_dim, std::int64_t lane_offset = 0) const;
+  // A rotation with a lane offset seen from that offset: a head of head_dim() - lane_offset()
+  // lanes, offset 0 (what runs on the narrowed views). Itself when lane_offset() is 0.
+  Rotation unshifted() const;
   // The same matrices kept dense: runs as a matrix product (AMX or FMA) even when it is a
   // signed permutation. For benchmarks and tests that compare the two paths.
   Rotation as_dense() const;
 
   std::int64_t head_dim() const noexcept;
   std::int64_t rotary_dim() const noexcept;
+  std::int64_t lane_offset() const noexcept;
   Kind kind() const noexcept;
   bool a_is_identity() const noexcept;
 

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <limits>
 #include <string>
+#include <type_traits>
 
 #include "convert.hpp"
 #include "rome/error.hpp"
@@ -344,6 +345,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   tp.cos_lane = cos.strides[cos.rank - 1];
   tp.sin_lane = sin.strides[sin.rank - 1];
   tp.width = tables.width;
+  tp.negate_sin = tables.inverse;
   tp.columns = columns;
 
   // For each axis of x (but the head): does the table row change along it? Strides of the
@@ -609,9 +611,8 @@ void load_row(const char* row, DType dtype, int64_t lane, const TablePlan& t, in
   expand_columns(scratch, t.width, t.columns, rd, out);
 }
 
-}  // namespace
-
-TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
+TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, float* cos,
+                                 float* sin) {
   const TablePlan& t = plan.tables;
   const int64_t rd = plan.rotation->rotary_dim;
   auto column = [&](int64_t lane) -> int64_t {
@@ -674,6 +675,16 @@ TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* co
   return {cos, sin};
 }
 
+}  // namespace
+
+TableRow load_table_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
+  const TableRow row = load_table_row_as_given(plan, outer, cos, sin);
+  if (!plan.tables.negate_sin) return row;
+  const int64_t rd = plan.rotation->rotary_dim;
+  for (int64_t j = 0; j < rd; ++j) sin[j] = -row.sin[j];  // row.sin may be sin itself
+  return {row.cos, sin};
+}
+
 namespace {
 
 // 32-bit lanes that may alias the fp32 tables: sign folding is an xor on their bits.
@@ -731,6 +742,61 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
     std::fill(s + rd, s + stride, 0.0f);
   }
   if (last >= 0) outer[last] = first;
+}
+
+namespace {
+
+template <typename P>
+BasicView<P> narrowed_view(BasicView<P> v, int64_t lane_offset) {
+  if (v.data)
+    v.data = static_cast<
+                 std::conditional_t<std::is_const_v<std::remove_pointer_t<P>>, const char*, char*>>(
+                 v.data) +
+             lane_offset * v.strides[v.rank - 1] * dtype_size(v.dtype);
+  v.shape[v.rank - 1] -= lane_offset;
+  return v;
+}
+
+}  // namespace
+
+NarrowedOperand narrow_operand(const std::string& name, const Operand& op, int64_t head_dim,
+                               int64_t lane_offset, bool written) {
+  const CheckedOperand c = check_operand(name, op, head_dim, written);
+  NarrowedOperand n;
+  n.operand.in = narrowed_view(op.in, lane_offset);
+  if (written) n.operand.out = narrowed_view(op.out, lane_offset);
+  n.in_place = c.in_place;
+  return n;
+}
+
+ConstTensorView narrow_lanes(const std::string& name, const ConstTensorView& v, int64_t head_dim,
+                             int64_t lane_offset) {
+  check_tensor(name, v, head_dim);
+  return narrowed_view(v, lane_offset);
+}
+
+TensorView narrow_lanes(const std::string& name, const TensorView& v, int64_t head_dim,
+                        int64_t lane_offset) {
+  check_tensor(name, as_const(v), head_dim);
+  return narrowed_view(v, lane_offset);
+}
+
+void copy_leading_lanes(const ConstTensorView& in, const TensorView& out, int64_t lanes) {
+  if (in.numel() == 0 || lanes == 0) return;
+  const int rows_rank = in.rank - 1;
+  const int64_t bytes = lanes * dtype_size(in.dtype);
+  int64_t index[kMaxRank] = {};
+  const int64_t rows = in.numel() / in.shape[rows_rank];
+  for (int64_t r = 0; r < rows; ++r) {
+    int64_t oi = 0, oo = 0;
+    for (int i = 0; i < rows_rank; ++i) {
+      oi += index[i] * in.strides[i];
+      oo += index[i] * out.strides[i];
+    }
+    std::memcpy(static_cast<char*>(out.data) + oo * dtype_size(out.dtype),
+                static_cast<const char*>(in.data) + oi * dtype_size(in.dtype), std::size_t(bytes));
+    for (int i = rows_rank - 1; i >= 0 && ++index[i] == in.shape[i]; --i) index[i] = 0;
+  }
 }
 
 }  // namespace rome::detail

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "../kernels/kernel_api.hpp"
@@ -46,6 +47,7 @@ struct TablePlan {
   std::int64_t positions_axis_stride = 0;
   const int* column_axis = nullptr;  // columns entries, or nullptr for one position per token
   bool direct_fp32_rows = false;     // rows can be used in place: fp32, full width, unit stride
+  bool negate_sin = false;           // Tables::inverse
 };
 
 struct ForwardPlan {
@@ -102,5 +104,22 @@ TableRow load_table_row(const ForwardPlan& plan, const std::int64_t* outer, floa
 void prepare_table_tile(const ForwardPlan& plan, std::int64_t* outer, std::int64_t tokens,
                         std::int64_t stride, kernels::TableLayout layout, float* cos, float* sin,
                         float* row_cos, float* row_sin);
+
+// Rotations with a lane offset run on views narrowed to lanes [lane_offset, head_dim). Each
+// operand is first checked as a whole against the full head_dim (the errors name the full head);
+// `in_place` tells whether the leading lanes still need copying (copy_leading_lanes) after the
+// call succeeded.
+struct NarrowedOperand {
+  Operand operand;
+  bool in_place = false;
+};
+NarrowedOperand narrow_operand(const std::string& name, const Operand& op, std::int64_t head_dim,
+                               std::int64_t lane_offset, bool written = true);
+ConstTensorView narrow_lanes(const std::string& name, const ConstTensorView& v,
+                             std::int64_t head_dim, std::int64_t lane_offset);
+TensorView narrow_lanes(const std::string& name, const TensorView& v, std::int64_t head_dim,
+                        std::int64_t lane_offset);
+// out[..., :lanes] = in[..., :lanes]; both views checked, same shape, disjoint.
+void copy_leading_lanes(const ConstTensorView& in, const TensorView& out, std::int64_t lanes);
 
 }  // namespace rome::detail

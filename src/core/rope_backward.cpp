@@ -93,7 +93,7 @@ void load_row(const char* base, DType dtype, std::int64_t offset, std::int64_t n
 
 void store_table_gradient(const TensorView& d, const std::int64_t* outer_strides,
                           const std::int64_t* outer, int outer_count, TableWidth width,
-                          const double* lanes, std::int64_t rd) {
+                          const double* lanes, std::int64_t rd, bool negate = false) {
   if (!d.data) return;
   const std::int64_t columns = d.shape[d.rank - 1], lane = d.strides[d.rank - 1];
   std::int64_t offset = 0;
@@ -105,7 +105,7 @@ void store_table_gradient(const TensorView& d, const std::int64_t* outer_strides
          : width == TableWidth::halves ? j % columns
                                        : j / 2] += lanes[j];
   for (std::int64_t c = 0; c < columns; ++c)
-    detail::store_any(row, d.dtype, c * lane, float(sums[c]));
+    detail::store_any(row, d.dtype, c * lane, float(negate ? -sums[c] : sums[c]));
 }
 
 // Processes outer indices [begin, end); accumulates dA/dB into `da`/`db` (rd×rd doubles).
@@ -165,7 +165,7 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
     store_table_gradient(bp.dcos, bp.dcos_outer, outer, plan.outer_count, plan.tables.width,
                          s.dc.data(), rd);
     store_table_gradient(bp.dsin, bp.dsin_outer, outer, plan.outer_count, plan.tables.width,
-                         s.ds.data(), rd);
+                         s.ds.data(), rd, plan.tables.negate_sin);
   }
 }
 
@@ -277,7 +277,7 @@ void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
     store_table_gradient(bp.dcos, bp.dcos_outer, outer, plan.outer_count, plan.tables.width,
                          s.dc.data(), rd);
     store_table_gradient(bp.dsin, bp.dsin_outer, outer, plan.outer_count, plan.tables.width,
-                         s.ds.data(), rd);
+                         s.ds.data(), rd, plan.tables.negate_sin);
   }
 }
 
@@ -292,6 +292,17 @@ std::vector<float> transposed(const std::vector<float>& m, std::int64_t n) {
 
 void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTensorView& grad,
                    const ConstTensorView& x, const Gradients& out, const ExecOptions& options) {
+  if (const std::int64_t offset = rotation.lane_offset(); offset > 0) {
+    // As rope_forward: the rotated lanes as heads of their own; dx's leading lanes are grad's.
+    const std::int64_t hd = rotation.head_dim();
+    const ConstTensorView g = detail::narrow_lanes("grad", grad, hd, offset);
+    const ConstTensorView xs = x.data ? detail::narrow_lanes("x", x, hd, offset) : x;
+    Gradients narrowed = out;
+    if (out.dx.data) narrowed.dx = detail::narrow_lanes("dx", out.dx, hd, offset);
+    rope_backward(rotation.unshifted(), tables, g, xs, narrowed, options);
+    if (out.dx.data) detail::copy_leading_lanes(grad, out.dx, offset);
+    return;
+  }
   detail::check_environment();
   detail::check_options(options);
   const BackwardPlan bp = detail::plan_backward(rotation, tables, grad, x, out);

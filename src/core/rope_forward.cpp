@@ -187,6 +187,17 @@ std::int64_t auto_tile_tokens(std::int64_t table_stride) {
 
 void rope_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                   const Operand* k, const ExecOptions& options) {
+  if (const std::int64_t offset = rotation.lane_offset(); offset > 0) {
+    // The rotated lanes as heads of their own; the leading lanes are copied once all succeeded.
+    const std::int64_t hd = rotation.head_dim();
+    const detail::NarrowedOperand nq = detail::narrow_operand("q", q, hd, offset);
+    detail::NarrowedOperand nk;
+    if (k) nk = detail::narrow_operand("k", *k, hd, offset);
+    rope_forward(rotation.unshifted(), tables, nq.operand, k ? &nk.operand : nullptr, options);
+    if (!nq.in_place) detail::copy_leading_lanes(q.in, q.out, offset);
+    if (k && !nk.in_place) detail::copy_leading_lanes(k->in, k->out, offset);
+    return;
+  }
   detail::check_environment();
   detail::check_options(options);
   const ForwardPlan plan = detail::plan_forward(rotation, tables, q, k);

@@ -322,9 +322,8 @@ Rotation Rotation::dense(std::span<const float> a, std::span<const float> b, std
 Rotation Rotation::as_dense() const {
   const std::int64_t rd = rotary_dim();
   const std::vector<float> a = to_dense_a(), b = to_dense_b();
-  auto d = dense_rotation(a, b, rd);
-  d->head_dim = head_dim();
-  return Rotation(std::shared_ptr<const RotationData>(std::move(d)));
+  Rotation dense(dense_rotation(a, b, rd));
+  return head_dim() == rd && lane_offset() == 0 ? dense : dense.partial(head_dim(), lane_offset());
 }
 
 std::shared_ptr<RotationData> Rotation::dense_rotation(std::span<const float> a,
@@ -389,17 +388,35 @@ Rotation Rotation::block_diag(std::span<const Rotation> blocks) {
   return dense(a, b, dim);
 }
 
-Rotation Rotation::partial(std::int64_t head_dim) const {
+Rotation Rotation::partial(std::int64_t head_dim, std::int64_t lane_offset) const {
   if (data_->rotary_dim != data_->head_dim)
     fail(Status::invalid_argument, "rotation", "a full rotation to make partial",
          "a rotation that is already partial");
-  if (head_dim < data_->rotary_dim || head_dim % 2 != 0 || head_dim > (std::int64_t(1) << 24))
+  if (lane_offset < 0 || lane_offset > (std::int64_t(1) << 24))
+    fail(Status::invalid_argument, "lane_offset", "a lane offset in [0, 2^24]",
+         std::to_string(lane_offset));
+  if (head_dim < data_->rotary_dim + lane_offset || head_dim % 2 != 0 ||
+      head_dim > (std::int64_t(1) << 24))
     fail(Status::invalid_argument, "head_dim",
-         "an even size of at least rotary_dim " + std::to_string(data_->rotary_dim),
+         "an even size of at least lane_offset + rotary_dim = " +
+             std::to_string(lane_offset + data_->rotary_dim),
          std::to_string(head_dim));
-  auto d = std::make_shared<RotationData>(*data_);  // shares the lazily built tile packs
+  auto narrowed = std::make_shared<RotationData>(*data_);  // shares the lazily built tile packs
+  narrowed->head_dim = head_dim - lane_offset;
+  if (lane_offset == 0) return Rotation(std::move(narrowed));
+  auto d = std::make_shared<RotationData>(*narrowed);
   d->head_dim = head_dim;
+  d->lane_offset = lane_offset;
+  d->unshifted = std::move(narrowed);
   return Rotation(std::move(d));
+}
+
+Rotation Rotation::unshifted() const {
+  return data_->unshifted ? Rotation(data_->unshifted) : *this;
+}
+
+std::int64_t Rotation::lane_offset() const noexcept {
+  return data_->lane_offset;
 }
 
 std::int64_t Rotation::head_dim() const noexcept {

@@ -67,6 +67,10 @@ struct RotationData {
   std::uint64_t uid = next_rotation_uid();
   std::int64_t head_dim = 0;
   std::int64_t rotary_dim = 0;
+  // Lanes before the rotated ones. The executors never see it: they run `unshifted` (this
+  // rotation with head_dim - lane_offset lanes and no offset) on views narrowed by the offset.
+  std::int64_t lane_offset = 0;
+  std::shared_ptr<const RotationData> unshifted;
   Rotation::Kind kind = Rotation::Kind::signed_permutation;
   bool a_identity = true;
 
