@@ -13,12 +13,17 @@ Importing ``rome`` loads the native extension ``rome._C``, which registers the o
 - :mod:`rome.matrices` — the rotate matrices as dense tensors.
 - :mod:`rome.tables` — cos/sin table builders (1D, grids, MRoPE, scalings, vLLM caches).
 - :mod:`rome.modules` — :class:`~rome.modules.RotaryEmbedding`.
+- :mod:`rome.flash_attn` — flash-attn's ``apply_rotary_emb`` (ragged batches, per-sequence
+  offsets) and ``apply_rotary_emb_qkv_``.
+- :mod:`rome.kv_cache` — :func:`~rome.kv_cache.rerotate_`: cached keys moved to new positions
+  (context shift, prefix reuse), contiguous or paged.
 """
 
 import torch  # noqa: F401  (the extension links against torch's libraries)
 
 from . import _C
-from . import matrices, modules, ops, tables
+from . import flash_attn, kv_cache, matrices, modules, ops, tables
+from .kv_cache import rerotate_
 from .modules import RotaryEmbedding
 from .ops import (
     apply_rotary_emb_interleaved,
@@ -72,10 +77,13 @@ __all__ = [
     "active_isa",
     "apply_rotary_emb_interleaved",
     "cpu_info",
+    "flash_attn",
+    "kv_cache",
     "last_call_threads",
     "matrices",
     "modules",
     "ops",
+    "rerotate_",
     "rope",
     "rope_",
     "rope_matrix",

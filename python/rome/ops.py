@@ -157,6 +157,8 @@ def rotary_embedding(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    rope_dim_offset: int = 0,
+    inverse: bool = False,
 ) -> None:
     """vLLM's ``rotary_embedding`` contract, in place.
 
@@ -169,8 +171,13 @@ def rotary_embedding(
         cos_sin_cache: [max_position, rotary_dim] = cat(cos, sin) of rotary_dim/2 columns each.
             rotary_dim < head_size is partial rotary.
         is_neox: NeoX rotate_half (True) or GPT-J interleave (False).
+        rope_dim_offset: the rotated lanes are [rope_dim_offset, rope_dim_offset + rotary_dim)
+            of each head ([nope | rope] heads); the other lanes are not touched.
+        inverse: rotate by −θ (the sine negated, no new table): undoes a forward call with the
+            same positions up to rounding.
     """
-    torch.ops.rome.rotary_embedding(positions, query, key, int(head_size), cos_sin_cache, bool(is_neox))
+    torch.ops.rome.rotary_embedding(positions, query, key, int(head_size), cos_sin_cache,
+                                    bool(is_neox), int(rope_dim_offset), bool(inverse))
 
 
 def apply_rotary_emb_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

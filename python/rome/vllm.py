@@ -1,9 +1,11 @@
 """Drop-in for vLLM's rotary embedding, built on ``torch.ops.rome.rotary_embedding``.
 
 - :func:`rotary_embedding` — ``vllm._custom_ops.rotary_embedding(positions, query, key,
-  head_size, cos_sin_cache, is_neox)``: in place on query/key [T, H·D], [T, H, D] or
-  [B, S, H·D]; ``cos_sin_cache`` [max_position, rotary_dim] = cat(cos, sin) of rotary_dim/2
-  columns each; rotary_dim < head_size is partial rotary (the other lanes are not touched).
+  head_size, cos_sin_cache, is_neox, rope_dim_offset=0, inverse=False)``: in place on query/key
+  [T, H·D], [T, H, D] or [B, S, H·D]; ``cos_sin_cache`` [max_position, rotary_dim] = cat(cos,
+  sin) of rotary_dim/2 columns each; rotary_dim < head_size is partial rotary, on lanes
+  [rope_dim_offset, rope_dim_offset + rotary_dim) of each head (the other lanes are not
+  touched); ``inverse`` rotates by −θ.
 - :class:`RotaryEmbedding` — vLLM's ``RotaryEmbedding(head_size, rotary_dim,
   max_position_embeddings, base, is_neox_style, dtype)`` layer (vllm/model_executor/layers/
   rotary_embedding/base.py): the same cache, ``forward_native(positions, query, key=None)`` with
@@ -32,9 +34,12 @@ def rotary_embedding(
     head_size: int,
     cos_sin_cache: torch.Tensor,
     is_neox: bool,
+    rope_dim_offset: int = 0,
+    inverse: bool = False,
 ) -> None:
     """``vllm._custom_ops.rotary_embedding``: rotates query (and key) in place; returns None."""
-    ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox)
+    ops.rotary_embedding(positions, query, key, head_size, cos_sin_cache, is_neox,
+                         rope_dim_offset, inverse)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -104,11 +109,18 @@ class RotaryEmbedding(torch.nn.Module):
         cos, sin = self.cos_sin_cache[:seqlen].chunk(2, dim=-1)
         return cos, sin
 
-    def _rotate(self, positions, query, key, offsets):
+    def _rotate(self, positions, query, key, offsets, inverse=False):
         if offsets is not None:  # older vLLM versions: positions + offsets
             positions = positions + offsets
-        ops.rotary_embedding(positions, query, key, self.head_size, self.cos_sin_cache,
-                             self.is_neox_style)
+        # A [T, H, D] query whose D is not head_size is a [nope | rope] head: its last
+        # rotary_dim lanes rotate (rope_dim_offset = D - rotary_dim), as in vLLM's MLA layers.
+        head_size = self.head_size
+        offset = 0
+        if query.dim() == 3 and query.shape[-1] != head_size:
+            head_size = int(query.shape[-1])
+            offset = head_size - self.rotary_dim
+        ops.rotary_embedding(positions, query, key, head_size, self.cos_sin_cache,
+                             self.is_neox_style, offset, inverse)
 
     def forward(
         self,
@@ -116,9 +128,11 @@ class RotaryEmbedding(torch.nn.Module):
         query: torch.Tensor,
         key: Optional[torch.Tensor] = None,
         offsets: Optional[torch.Tensor] = None,
+        inverse: bool = False,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """In place, like vLLM's CUDA/CPU kernels: rotates query (and key) and returns them."""
-        self._rotate(positions, query, key, offsets)
+        """In place, like vLLM's CUDA/CPU kernels: rotates query (and key) and returns them.
+        ``inverse`` rotates by −θ (undoes a forward call)."""
+        self._rotate(positions, query, key, offsets, inverse)
         return query, key
 
     def forward_native(
@@ -127,11 +141,12 @@ class RotaryEmbedding(torch.nn.Module):
         query: torch.Tensor,
         key: Optional[torch.Tensor] = None,
         offsets: Optional[torch.Tensor] = None,
+        inverse: bool = False,
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """vLLM's ``forward_native``: new tensors of query's (key's) shape; inputs untouched."""
         query = query.clone()
         key = None if key is None else key.clone()
-        self._rotate(positions, query, key, offsets)
+        self._rotate(positions, query, key, offsets, inverse)
         return query, key
 
     def extra_repr(self) -> str:
