@@ -7,7 +7,7 @@
 // overflowing, misaligned), direct tables with any broadcast shape or a cache with positions
 // (i32/i64, multi-axis with column_axis), every table width, in place / out of place / partially
 // overlapping outputs, q and k sharing memory, and for backward every combination of dx, dcos,
-// dsin, dA, dB.
+// dsin, dA, dB; forward calls also with Tables::inverse.
 //
 // Every tensor lives in an arena of exactly the bytes its view may touch (allocated with
 // std::vector, so ASan knows the exact edge); an arena may be shared to alias views. A view the
@@ -139,6 +139,7 @@ struct Case {
   std::vector<float> A, B;  // rd × rd
   TableWidth width = TableWidth::full;
   int width_raw = 0;
+  bool inverse = false;  // Tables::inverse (forward only: the backward reference has no −θ)
   bool cache = false;  // positions are passed: a cache, even with a null pointer (then an error if
                        // it has elements)
   bool gather() const { return cache; }
@@ -714,6 +715,7 @@ bool generate(Reader& R, Case& c, World& w) {
   // Tables.
   c.cache = R.below(3) == 0;
   c.width_raw = R.below(3);
+  c.inverse = c.op != 2 && R.below(4) == 0;
   if (R.rare(3) && enabled("bad_enum")) c.width_raw = 3 + R.below(253);
   c.width = static_cast<TableWidth>(c.width_raw);
   const i64 columns = c.width_raw == 0 ? c.rd : c.rd / 2;
@@ -1081,6 +1083,7 @@ Outcome call(const Case& c, World& w, int threads) {
   if (c.cache) tables.positions = view_of<const void*>(c.t[POS], w);
   tables.column_axis = c.column_axis;
   tables.width = c.width;
+  tables.inverse = c.inverse;
   ExecOptions options;
   options.num_threads = threads;
   try {
@@ -1221,6 +1224,7 @@ void forward_reference(const Case& c, const World& w0, World& expect, int in_slo
   Tables t;
   t.cos = make_view<const void*>(cs.data(), DType::f32, {rows, rd});
   t.sin = make_view<const void*>(sn.data(), DType::f32, {rows, rd});
+  t.inverse = c.inverse;
   ExecOptions one;
   one.num_threads = 1;
   set_max_isa(Isa::scalar);

@@ -112,11 +112,12 @@ class RotaryEmbedding(torch.nn.Module):
     def _rotate(self, positions, query, key, offsets, inverse=False):
         if offsets is not None:  # older vLLM versions: positions + offsets
             positions = positions + offsets
-        # A [T, H, D] query whose D is not head_size is a [nope | rope] head: its last
-        # rotary_dim lanes rotate (rope_dim_offset = D - rotary_dim), as in vLLM's MLA layers.
+        # A [T, H, D] query (positions [T]) whose D exceeds head_size is a [nope | rope] head:
+        # its last rotary_dim lanes rotate (rope_dim_offset = D - rotary_dim), as vLLM's MLA
+        # layers call the op. ([B, S, H·D] queries come with positions [B, S].)
         head_size = self.head_size
         offset = 0
-        if query.dim() == 3 and query.shape[-1] != head_size:
+        if positions.dim() == 1 and query.dim() == 3 and query.shape[-1] > head_size:
             head_size = int(query.shape[-1])
             offset = head_size - self.rotary_dim
         ops.rotary_embedding(positions, query, key, head_size, self.cos_sin_cache,

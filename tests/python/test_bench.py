@@ -62,6 +62,8 @@ def test_files_written(quick_run, isa):
         lines = list(csv.DictReader(f))
     assert {r["row"] for r in lines} == set(ROWS)
     assert {r["method"] for r in lines} >= {"small", "matrix", "rome", "floor"}
+    varlen = (out / "varlen_kv.md").read_text()
+    assert "RoME varlen (cu_seqlens)" in varlen and "rerotate_ paged" in varlen
 
 
 def test_terminal_output(quick_run, isa):
