@@ -7,7 +7,7 @@
 // overflowing, misaligned), direct tables with any broadcast shape or a cache with positions
 // (i32/i64, multi-axis with column_axis), every table width, in place / out of place / partially
 // overlapping outputs, q and k sharing memory, and for backward every combination of dx, dcos,
-// dsin, dA, dB; forward calls also with Tables::inverse.
+// dsin, dA, dB; forward calls also with Tables::inverse and rotated lanes at an offset.
 //
 // Every tensor lives in an arena of exactly the bytes its view may touch (allocated with
 // std::vector, so ASan knows the exact edge); an arena may be shared to alias views. A view the
@@ -296,6 +296,8 @@ std::vector<float> signed_permutation(Rng& rng, i64 dim, int empty_percent) {
   return m;
 }
 
+bool g_allow_lane_offset = false;  // set per case before its rotation is drawn
+
 Rotation build_rotation(Reader& R, Rng& rng, std::string& log, int depth) {
   auto even = [&](int halves) -> i64 {
     i64 d = 2 * (1 + R.below(halves));
@@ -366,8 +368,10 @@ Rotation build_rotation(Reader& R, Rng& rng, std::string& log, int depth) {
       Rotation base = build_rotation(R, rng, log, depth + 1);
       i64 hd = base.rotary_dim() + 2 * R.below(8) + (base.rotary_dim() % 2);
       if (R.rare(6)) hd = R.below(2) ? base.rotary_dim() - 2 : hd + 1;
-      log += ", " + std::to_string(hd) + ")";
-      return base.partial(hd);
+      // Rotated lanes at an offset (forward only: the backward reference assumes offset 0).
+      const i64 offset = g_allow_lane_offset && R.rare(3) ? 2 * R.below(6) : 0;
+      log += ", " + std::to_string(hd + offset) + ", offset " + std::to_string(offset) + ")";
+      return base.partial(hd + offset, offset);
     }
     case 6:
     case 7: {
@@ -580,6 +584,7 @@ void place_arenas(Case& c) {
 bool generate(Reader& R, Case& c, World& w) {
   Rng rng{R.u32()};
   c.op = R.below(3);
+  g_allow_lane_offset = c.op != 2;
   c.rot.emplace(build_rotation(R, rng, c.log, 0));
   const Rotation& rot = *c.rot;
   c.hd = rot.head_dim();

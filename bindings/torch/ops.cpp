@@ -274,7 +274,8 @@ void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const Op
            {"k", "key"},
            {"k_out", "key"},
            {"cos", "cos_sin_cache"},
-           {"sin", "cos_sin_cache"}},
+           {"sin", "cos_sin_cache"},
+           {"head_dim", "head_size"}},
           [&] {
             if (head_size <= 0)
               rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",

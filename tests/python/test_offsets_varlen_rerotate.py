@@ -102,6 +102,13 @@ def test_vllm_layer_mla_head_and_inverse(isa):
     torch.testing.assert_close(q, q0, atol=1e-6, rtol=0)
 
 
+def test_vllm_odd_head_size_names_head_size(isa):
+    cache = torch.cat(cos_sin(4, 2), -1).float()
+    with pytest.raises(ValueError, match="rome: head_size: expected an even size"):
+        rome.ops.rotary_embedding(torch.zeros(2, dtype=torch.long), torch.randn(2, 3), None, 3,
+                                  cache, True)
+
+
 def test_vllm_bad_offset_writes_nothing(isa):
     D, rd = 128, 64
     c, s = cos_sin(10, rd)
@@ -388,3 +395,30 @@ def test_rerotate_errors_write_nothing(isa):
     with pytest.raises(ValueError, match="rome: rope_dim_offset"):
         rome.rerotate_(cache, 1, inv_freq(32), rope_dim_offset=2,
                        block_table=torch.tensor([[0]]), seq_lens=torch.tensor([1]))
+
+
+@settings(max_examples=60, deadline=None, derandomize=True, database=None)
+@given(tokens=st.integers(0, 9), heads_q=st.integers(1, 5), heads_k=st.integers(0, 3),
+       half_rd=st.integers(1, 20), before=st.integers(0, 40), after=st.integers(0, 10),
+       is_neox=st.booleans(), inverse=st.booleans(), dtype=st.sampled_from(DTYPES),
+       cache_dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**31 - 1))
+def test_vllm_offset_property(tokens, heads_q, heads_k, half_rd, before, after, is_neox, inverse,
+                              dtype, cache_dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rd = 2 * half_rd
+    after = 2 * after + before % 2  # head sizes are even
+    D = before + rd + after
+    c, s = cos_sin(30, rd)
+    cache = torch.cat([c, s], -1).to(cache_dtype)
+    positions = torch.randint(0, 30, (tokens,), generator=gen)
+    q = torch.randn(tokens, heads_q * D, generator=gen).to(dtype)
+    k = torch.randn(tokens, heads_k * D, generator=gen).to(dtype) if heads_k else None
+    q0 = q.clone()
+    rome.ops.rotary_embedding(positions, q, k, D, cache, is_neox, before, inverse)
+    cc = cache.double()[positions, :half_rd][:, None]
+    ss = cache.double()[positions, half_rd:][:, None] * (-1 if inverse else 1)
+    g, b = q.view(tokens, heads_q, D), q0.view(tokens, heads_q, D)
+    close(g[..., before:before + rd], rotate_ref(b[..., before:before + rd].double(), cc, ss,
+                                                 not is_neox), dtype)
+    assert torch.equal(g[..., :before], b[..., :before])
+    assert torch.equal(g[..., before + rd:], b[..., before + rd:])
