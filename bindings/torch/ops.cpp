@@ -91,6 +91,12 @@ using RopeMatrixSig = Tensor(const Tensor&, const Tensor&, const Tensor&, const 
 using RopeMatrixInplaceSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&);
 using RotaryEmbeddingSig = void(const Tensor&, const Tensor&, const OptTensor&, int64_t,
                                 const Tensor&, bool, int64_t, bool);
+using FusedQkNormRopeSig = void(const Tensor&, int64_t, int64_t, int64_t, int64_t, double,
+                                const Tensor&, const Tensor&, const Tensor&, bool, const Tensor&,
+                                bool);
+using RopeWithCacheSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&, int64_t,
+                              const Tensor&, bool, const Tensor&, const Tensor&, const Tensor&,
+                              const OptTensor&, const OptTensor&, double, bool);
 using RerotatePagedSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const Tensor&, c10::string_view, int64_t);
 using InterleavedSig = Tensor(const Tensor&, const Tensor&);
@@ -328,6 +334,129 @@ void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const Op
           });
 }
 
+// vLLM's cos_sin_cache [max_position, rotary_dim] as half-width cos and sin views + positions
+// [T] as [T, 1].
+rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
+                         int64_t head_size) {
+  if (positions.dim() != 1)
+    rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
+  if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0 ||
+      cos_sin_cache.size(1) > head_size)
+    rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+               "[max_position, rotary_dim] with an even rotary_dim <= head_dim " +
+                   std::to_string(head_size),
+               shape_of(cos_sin_cache));
+  const int64_t rd = cos_sin_cache.size(1);
+  rome::Tables tables;
+  tables.positions = const_view(positions, "positions", true);
+  tables.positions.rank = 2;
+  tables.positions.shape[1] = 1;
+  tables.positions.strides[1] = 0;
+  tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
+  tables.cos.shape[1] = rd / 2;
+  tables.sin = tables.cos;
+  tables.sin.data = static_cast<const char*>(tables.cos.data) +
+                    (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
+  tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
+  return tables;
+}
+
+rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox) {
+  return build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
+                        std::nullopt, "mat_b");
+}
+
+void fused_qk_norm_rope_cpu(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+                            int64_t num_heads_v, int64_t head_dim, double eps,
+                            const Tensor& q_weight, const Tensor& k_weight,
+                            const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
+                            bool gemma_norm) {
+  guarded({{"q", "qkv"},
+           {"k", "qkv"},
+           {"q_out", "qkv"},
+           {"k_out", "qkv"},
+           {"cos", "cos_sin_cache"},
+           {"sin", "cos_sin_cache"},
+           {"positions", "position_ids"},
+           {"head_dim", "head_dim"}},
+          [&] {
+            if (head_dim <= 0 || num_heads_q <= 0 || num_heads_k <= 0 || num_heads_v < 0)
+              rome::fail(rome::Status::invalid_argument, "head_dim / num_heads",
+                         "positive head_dim, num_heads_q, num_heads_k and num_heads_v >= 0",
+                         std::to_string(head_dim) + ", " + std::to_string(num_heads_q) + ", " +
+                             std::to_string(num_heads_k) + ", " + std::to_string(num_heads_v));
+            const int64_t width = (num_heads_q + num_heads_k + num_heads_v) * head_dim;
+            if (qkv.dim() != 2 || qkv.size(1) != width)
+              rome::fail(rome::Status::invalid_argument, "qkv",
+                         "[T, (Hq + Hk + Hv) * head_dim] = [T, " + std::to_string(width) + "]",
+                         shape_of(qkv));
+            const rome::Tables tables = vllm_tables(position_ids, cos_sin_cache, is_neox, head_dim);
+            const rome::Rotation rotation = vllm_rotation(cos_sin_cache.size(1), head_dim, is_neox);
+            const rome::TensorView whole = mutable_view(qkv, "qkv");
+            auto heads = [&](int64_t first, int64_t count) {
+              rome::TensorView v = whole;
+              v.data = static_cast<char*>(v.data) +
+                       first * head_dim * whole.strides[1] * qkv.element_size();
+              v.rank = 3;
+              v.shape[1] = count;
+              v.strides[1] = head_dim * whole.strides[1];
+              v.shape[2] = head_dim;
+              v.strides[2] = whole.strides[1];
+              return v;
+            };
+            rome::QkNorm norm;
+            norm.q_weight = const_view(q_weight, "q_weight", false);
+            norm.k_weight = const_view(k_weight, "k_weight", false);
+            norm.eps = float(eps);
+            norm.unit_offset = gemma_norm;
+            rome::qk_norm_rope(rotation, tables, norm, heads(0, num_heads_q),
+                               heads(num_heads_q, num_heads_k), exec_options());
+          });
+}
+
+void rotary_embedding_with_cache_cpu(const Tensor& positions, const Tensor& query,
+                                     const Tensor& key, const Tensor& value, int64_t head_size,
+                                     const Tensor& cos_sin_cache, bool is_neox,
+                                     const Tensor& key_cache, const Tensor& value_cache,
+                                     const Tensor& slot_mapping, const OptTensor& q_weight,
+                                     const OptTensor& k_weight, double eps, bool gemma_norm) {
+  guarded({{"q", "query"},
+           {"q_out", "query"},
+           {"k", "key"},
+           {"k_out", "key"},
+           {"cos", "cos_sin_cache"},
+           {"sin", "cos_sin_cache"},
+           {"head_dim", "head_size"}},
+          [&] {
+            if (head_size <= 0)
+              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+                         std::to_string(head_size));
+            const rome::Tables tables = vllm_tables(positions, cos_sin_cache, is_neox, head_size);
+            const rome::Rotation rotation =
+                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox);
+            const rome::TensorView q = vllm_view(query, "query", 1, head_size);
+            const rome::TensorView k = vllm_view(key, "key", 1, head_size);
+            const rome::TensorView v = vllm_view(value, "value", 1, head_size);
+            if (has(q_weight) != has(k_weight))
+              rome::fail(rome::Status::invalid_argument, has(q_weight) ? "k_weight" : "q_weight",
+                         "a tensor when the other weight is given (QK-norm)", "None");
+            rome::PagedKvWrite write;
+            write.value = rome::as_const(v);
+            write.key_cache = mutable_view(key_cache, "key_cache");
+            write.value_cache = mutable_view(value_cache, "value_cache");
+            write.slot_mapping = const_view(slot_mapping, "slot_mapping", true);
+            rome::QkNorm norm;
+            if (has(q_weight)) {
+              norm.q_weight = const_view(*q_weight, "q_weight", false);
+              norm.k_weight = const_view(*k_weight, "k_weight", false);
+              norm.eps = float(eps);
+              norm.unit_offset = gemma_norm;
+            }
+            rome::rope_and_cache_kv(rotation, tables, q, k, write, has(q_weight) ? &norm : nullptr,
+                                    exec_options());
+          });
+}
+
 void rerotate_paged_cpu(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
                         const Tensor& block_table, const Tensor& seq_lens,
                         c10::string_view rotation, int64_t rope_dim_offset) {
@@ -553,6 +682,34 @@ void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const O
                     {"query", &query},
                     {"key", opt(key)},
                     {"cos_sin_cache", &cos_sin_cache}});
+}
+
+void fused_qk_norm_rope_meta(const Tensor& qkv, int64_t, int64_t, int64_t, int64_t, double,
+                             const Tensor& q_weight, const Tensor& k_weight,
+                             const Tensor& cos_sin_cache, bool, const Tensor& position_ids, bool) {
+  require_all_meta({{"qkv", &qkv},
+                    {"q_weight", &q_weight},
+                    {"k_weight", &k_weight},
+                    {"cos_sin_cache", &cos_sin_cache},
+                    {"position_ids", &position_ids}});
+}
+
+void rotary_embedding_with_cache_meta(const Tensor& positions, const Tensor& query,
+                                      const Tensor& key, const Tensor& value, int64_t,
+                                      const Tensor& cos_sin_cache, bool, const Tensor& key_cache,
+                                      const Tensor& value_cache, const Tensor& slot_mapping,
+                                      const OptTensor& q_weight, const OptTensor& k_weight, double,
+                                      bool) {
+  require_all_meta({{"positions", &positions},
+                    {"query", &query},
+                    {"key", &key},
+                    {"value", &value},
+                    {"cos_sin_cache", &cos_sin_cache},
+                    {"key_cache", &key_cache},
+                    {"value_cache", &value_cache},
+                    {"slot_mapping", &slot_mapping},
+                    {"q_weight", opt(q_weight)},
+                    {"k_weight", opt(k_weight)}});
 }
 
 void rerotate_paged_meta(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
@@ -861,6 +1018,38 @@ void rotary_embedding_autograd(const Tensor& positions, const Tensor& query, con
   op.call(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse);
 }
 
+void fused_qk_norm_rope_autograd(const Tensor& qkv, int64_t hq, int64_t hk, int64_t hv,
+                                 int64_t head_dim, double eps, const Tensor& q_weight,
+                                 const Tensor& k_weight, const Tensor& cos_sin_cache, bool is_neox,
+                                 const Tensor& position_ids, bool gemma_norm) {
+  ROME_OP(op, "rome::fused_qk_norm_rope", FusedQkNormRopeSig);
+  inference_only("fused_qk_norm_rope", {{"qkv", qkv},
+                                        {"q_weight", q_weight},
+                                        {"k_weight", k_weight},
+                                        {"cos_sin_cache", cos_sin_cache}});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(qkv, hq, hk, hv, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox, position_ids,
+          gemma_norm);
+}
+
+void rotary_embedding_with_cache_autograd(const Tensor& positions, const Tensor& query,
+                                          const Tensor& key, const Tensor& value, int64_t head_size,
+                                          const Tensor& cos_sin_cache, bool is_neox,
+                                          const Tensor& key_cache, const Tensor& value_cache,
+                                          const Tensor& slot_mapping, const OptTensor& q_weight,
+                                          const OptTensor& k_weight, double eps, bool gemma_norm) {
+  ROME_OP(op, "rome::rotary_embedding_with_cache", RopeWithCacheSig);
+  inference_only("rotary_embedding_with_cache", {{"query", query},
+                                                 {"key", key},
+                                                 {"value", value},
+                                                 {"cos_sin_cache", cos_sin_cache},
+                                                 {"q_weight", q_weight},
+                                                 {"k_weight", k_weight}});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(positions, query, key, value, head_size, cos_sin_cache, is_neox, key_cache, value_cache,
+          slot_mapping, q_weight, k_weight, eps, gemma_norm);
+}
+
 void rerotate_paged_autograd(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
                              const Tensor& block_table, const Tensor& seq_lens,
                              c10::string_view rotation, int64_t rope_dim_offset) {
@@ -927,6 +1116,37 @@ void rotary_embedding_view(const Tensor& positions, const Tensor& query, const O
   bump(key);
 }
 
+void fused_qk_norm_rope_view(const Tensor& qkv, int64_t hq, int64_t hk, int64_t hv,
+                             int64_t head_dim, double eps, const Tensor& q_weight,
+                             const Tensor& k_weight, const Tensor& cos_sin_cache, bool is_neox,
+                             const Tensor& position_ids, bool gemma_norm) {
+  ROME_OP(op, "rome::fused_qk_norm_rope", FusedQkNormRopeSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(qkv, hq, hk, hv, head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox,
+            position_ids, gemma_norm);
+  }
+  bump(qkv);
+}
+
+void rotary_embedding_with_cache_view(const Tensor& positions, const Tensor& query,
+                                      const Tensor& key, const Tensor& value, int64_t head_size,
+                                      const Tensor& cos_sin_cache, bool is_neox,
+                                      const Tensor& key_cache, const Tensor& value_cache,
+                                      const Tensor& slot_mapping, const OptTensor& q_weight,
+                                      const OptTensor& k_weight, double eps, bool gemma_norm) {
+  ROME_OP(op, "rome::rotary_embedding_with_cache", RopeWithCacheSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(positions, query, key, value, head_size, cos_sin_cache, is_neox, key_cache, value_cache,
+            slot_mapping, q_weight, k_weight, eps, gemma_norm);
+  }
+  bump(query);
+  bump(key);
+  bump(key_cache);
+  bump(value_cache);
+}
+
 void rerotate_paged_view(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
                          const Tensor& block_table, const Tensor& seq_lens,
                          c10::string_view rotation, int64_t rope_dim_offset) {
@@ -965,6 +1185,19 @@ TORCH_LIBRARY(rome, m) {
   // Re-rotates the keys of a paged cache [num_blocks, block_size, heads, head_dim] in place:
   // sequence b's slots [0, seq_lens[b]) of its blocks block_table[b] by cos/sin row b
   // ([num_seqs, rotary_dim/2]: the angles of its position shift).
+  // vLLM's fused_qk_norm_rope schema (+ Gemma's (1 + w) norm): per-head RMSNorm and RoPE of the
+  // q and k heads of a packed qkv [T, (Hq+Hk+Hv)·D] in place, v untouched.
+  m.def(
+      "fused_qk_norm_rope(Tensor(a!) qkv, int num_heads_q, int num_heads_k, int num_heads_v, "
+      "int head_dim, float eps, Tensor q_weight, Tensor k_weight, Tensor cos_sin_cache, "
+      "bool is_neox, Tensor position_ids, bool gemma_norm=False) -> ()");
+  // RoPE of query and key in place and the rotated key + value written to a paged cache
+  // [num_blocks, block_size, Hk, D] at slot_mapping[t] (-1: not stored); optional QK-norm.
+  m.def(
+      "rotary_embedding_with_cache(Tensor positions, Tensor(a!) query, Tensor(b!) key, "
+      "Tensor value, int head_size, Tensor cos_sin_cache, bool is_neox, Tensor(c!) key_cache, "
+      "Tensor(d!) value_cache, Tensor slot_mapping, Tensor? q_weight=None, "
+      "Tensor? k_weight=None, float eps=1e-6, bool gemma_norm=False) -> ()");
   m.def(
       "rerotate_paged_(Tensor(a!) key_cache, Tensor cos, Tensor sin, Tensor block_table, "
       "Tensor seq_lens, str rotation=\"half\", int rope_dim_offset=0) -> ()");
@@ -986,6 +1219,8 @@ TORCH_LIBRARY_IMPL(rome, CPU, m) {
   m.impl("rope_out", rope_out_cpu);
   m.impl("rotary_embedding", rotary_embedding_cpu);
   m.impl("rerotate_paged_", rerotate_paged_cpu);
+  m.impl("fused_qk_norm_rope", fused_qk_norm_rope_cpu);
+  m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_cpu);
   m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
   m.impl("_rope_backward", rope_backward_cpu);
 }
@@ -998,6 +1233,8 @@ TORCH_LIBRARY_IMPL(rome, Meta, m) {
   m.impl("rope_out", rope_out_meta);
   m.impl("rotary_embedding", rotary_embedding_meta);
   m.impl("rerotate_paged_", rerotate_paged_meta);
+  m.impl("fused_qk_norm_rope", fused_qk_norm_rope_meta);
+  m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_meta);
   m.impl("apply_rotary_emb_interleaved", interleaved_meta);
   m.impl("_rope_backward", rope_backward_meta);
 }
@@ -1010,6 +1247,8 @@ TORCH_LIBRARY_IMPL(rome, Autograd, m) {
   m.impl("rope_out", rope_out_autograd);
   m.impl("rotary_embedding", rotary_embedding_autograd);
   m.impl("rerotate_paged_", rerotate_paged_autograd);
+  m.impl("fused_qk_norm_rope", fused_qk_norm_rope_autograd);
+  m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_autograd);
   m.impl("apply_rotary_emb_interleaved", interleaved_autograd);
 }
 
@@ -1019,6 +1258,8 @@ TORCH_LIBRARY_IMPL(rome, ADInplaceOrView, m) {
   m.impl("rope_out", rope_out_view);
   m.impl("rotary_embedding", rotary_embedding_view);
   m.impl("rerotate_paged_", rerotate_paged_view);
+  m.impl("fused_qk_norm_rope", fused_qk_norm_rope_view);
+  m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_view);
 }
 
 }  // namespace rome_torch

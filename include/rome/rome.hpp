@@ -2,6 +2,7 @@
 #pragma once
 
 #include "rome/error.hpp"
+#include "rome/fused.hpp"
 #include "rome/rope.hpp"
 #include "rome/rotation.hpp"
 #include "rome/tables.hpp"

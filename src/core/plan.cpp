@@ -799,4 +799,24 @@ void copy_leading_lanes(const ConstTensorView& in, const TensorView& out, int64_
   }
 }
 
+void require_disjoint_views(const TensorView& out, const std::string& out_name,
+                            const ConstTensorView& in, const std::string& in_name) {
+  require_disjoint(out, out_name, in, in_name);
+}
+
+void check_head_tensor(const std::string& name, const ConstTensorView& v, int64_t head_dim) {
+  check_tensor(name, v, head_dim);
+}
+
+void require_distinct_elements(const std::string& name, const TensorView& v) {
+  if (v.numel() > 0 && !has_distinct_elements(v))
+    fail(Status::invalid_argument, name, "strides that give every element its own address",
+         "strides " + dims_string(v.strides, v.rank) + " for shape " + shape_string(v));
+}
+
+bool views_may_overlap(const ConstTensorView& a, const ConstTensorView& b) {
+  if (a.dtype != b.dtype) return bytes_may_overlap(a, b);
+  return may_overlap(a, b, dtype_size(a.dtype));
+}
+
 }  // namespace rome::detail

@@ -122,4 +122,16 @@ TensorView narrow_lanes(const std::string& name, const TensorView& v, std::int64
 // out[..., :lanes] = in[..., :lanes]; both views checked, same shape, disjoint.
 void copy_leading_lanes(const ConstTensorView& in, const TensorView& out, std::int64_t lanes);
 
+// Fails (naming out_name) when out may share a byte with in.
+void require_disjoint_views(const TensorView& out, const std::string& out_name,
+                            const ConstTensorView& in, const std::string& in_name);
+
+// The checks of an operand (rank 2..5, float dtype, last axis head_dim and contiguous, strides,
+// data pointer), for views that are not rope_forward operands (caches, values).
+void check_head_tensor(const std::string& name, const ConstTensorView& v, std::int64_t head_dim);
+void require_distinct_elements(const std::string& name, const TensorView& v);
+// Whether two views may share an element (exact for views that step together on an axis, such
+// as q, k and v slices of one packed buffer; conservative otherwise).
+bool views_may_overlap(const ConstTensorView& a, const ConstTensorView& b);
+
 }  // namespace rome::detail

@@ -50,12 +50,26 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
                                      const float* a, std::int64_t lda, const float* b,
                                      std::int64_t ldb, float* c, std::int64_t ldc);
 
+// Per-head RMSNorm fused with a signed-permutation rotation (QK-norm + RoPE). Each row of head_dim
+// lanes is normalised in fp32: ss = Σ x² in a fixed order (lane j into partial sum j % 8 by fma,
+// then ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), r = 1 / sqrt(ss / head_dim + eps),
+// n = (x·r)·weight; then n is rotated on its first rotary_dim lanes exactly as ForwardFn rotates
+// x (natural table layout, signs folded), lanes past rotary_dim are n, and each lane is rounded
+// once. Every ISA gives the same bits. In place (y == x) or out of place.
+struct NormParams {
+  const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
+  float eps;
+};
+using NormForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile,
+                               const NormParams& norm);
+
 struct KernelTable {
   const char* name;
   ForwardFn forward_permute;  // rotation.kind == signed_permutation
   ForwardFn forward_dense;    // rotation.kind == dense; nullptr: use the scalar kernel
   AccumulateProductFn accumulate_product;
   TableLayoutFn permute_table_layout;  // nullptr: natural
+  NormForwardFn forward_norm_permute;  // nullptr: use the scalar kernel
 };
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags.
@@ -63,5 +77,9 @@ const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 const KernelTable& amx_kernels();
+
+// The AVX2 NormForwardFn, also used by the AVX-512 and AMX tables (they have no own yet).
+void avx2_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,
+                               const NormParams& norm);
 
 }  // namespace rome::kernels

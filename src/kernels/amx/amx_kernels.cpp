@@ -57,9 +57,12 @@ struct HardwareTiles {
 }  // namespace
 
 const KernelTable& amx_kernels() {
-  static const KernelTable table{"amx", avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<HardwareTiles>, avx512_accumulate_product,
-                                 avx512_kernels().permute_table_layout};
+  static const KernelTable table{"amx",
+                                 avx512_kernels().forward_permute,
+                                 amx::forward_dense_any<HardwareTiles>,
+                                 avx512_accumulate_product,
+                                 avx512_kernels().permute_table_layout,
+                                 avx512_kernels().forward_norm_permute};
   return table;
 }
 

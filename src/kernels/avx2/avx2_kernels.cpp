@@ -648,8 +648,9 @@ void forward_permute_any(const RotationData& r, const ForwardTile& b) {
 }  // namespace
 
 const KernelTable& avx2_kernels() {
-  static const KernelTable table{"avx2", forward_permute_any, avx2_forward_dense,
-                                 avx2_accumulate_product, table_layout};
+  static const KernelTable table{
+      "avx2",       forward_permute_any,      avx2_forward_dense, avx2_accumulate_product,
+      table_layout, avx2_forward_norm_permute};
   return table;
 }
 

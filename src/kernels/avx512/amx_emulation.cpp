@@ -62,9 +62,12 @@ struct EmulatedTiles {
 }  // namespace
 
 const KernelTable& amx_emulated_kernels() {
-  static const KernelTable table{"amx-emulated", avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<EmulatedTiles>, avx512_accumulate_product,
-                                 avx512_kernels().permute_table_layout};
+  static const KernelTable table{"amx-emulated",
+                                 avx512_kernels().forward_permute,
+                                 amx::forward_dense_any<EmulatedTiles>,
+                                 avx512_accumulate_product,
+                                 avx512_kernels().permute_table_layout,
+                                 avx512_kernels().forward_norm_permute};
   return table;
 }
 

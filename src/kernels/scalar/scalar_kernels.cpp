@@ -78,6 +78,46 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
   }
 }
 
+// The fixed summation order of NormForwardFn.
+float sum_of_squares(const float* x, std::int64_t n) {
+  float s[8] = {};
+  for (std::int64_t j = 0; j < n; ++j) s[j % 8] = std::fma(x[j], x[j], s[j % 8]);
+  return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
+}
+
+template <DType D>
+void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const NormParams& norm) {
+  using T = typename detail::Storage<D>::type;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  thread_local std::vector<float> row;
+  if (std::int64_t(row.size()) < hd) row.resize(hd);
+  float* nf = row.data();
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const T* x = static_cast<const T*>(tile.x_row(n));
+    T* y = static_cast<T*>(tile.y_row(n));
+    const float* cos = tile.cos_row(n);
+    const float* sin = tile.sin_row(n);
+    for (std::int64_t j = 0; j < hd; ++j) nf[j] = detail::load_float<D>(x + j);
+    const float scale = 1.0f / std::sqrt(sum_of_squares(nf, hd) / float(hd) + norm.eps);
+    for (std::int64_t j = 0; j < hd; ++j) nf[j] = (nf[j] * scale) * norm.weight[j];
+    for (std::int64_t j = 0; j < rd; ++j) {
+      const float xa = r.a_identity ? nf[j] : r.a.sign[j] == 0 ? 0.0f : nf[r.a.src[j]];
+      const float xb = r.b.sign[j] == 0 ? 0.0f : nf[r.b.src[j]];
+      detail::store_float<D>(y + j, combine(xa, cos[j], xb, sin[j]));
+    }
+    for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, nf[j]);
+  }
+}
+
+void forward_norm_permute_any(const RotationData& r, const ForwardTile& b, const NormParams& n) {
+  switch (b.dtype) {
+    case DType::f32: return forward_norm_permute<DType::f32>(r, b, n);
+    case DType::f16: return forward_norm_permute<DType::f16>(r, b, n);
+    case DType::bf16: return forward_norm_permute<DType::bf16>(r, b, n);
+    default: return;
+  }
+}
+
 void forward_permute_any(const RotationData& r, const ForwardTile& b) {
   switch (b.dtype) {
     case DType::f32: return forward_permute<DType::f32>(r, b);
@@ -112,8 +152,9 @@ void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n
 }
 
 const KernelTable& scalar_kernels() {
-  static const KernelTable table{"scalar", forward_permute_any, forward_dense_any,
-                                 scalar_accumulate_product, nullptr};
+  static const KernelTable table{"scalar",          forward_permute_any,
+                                 forward_dense_any, scalar_accumulate_product,
+                                 nullptr,           forward_norm_permute_any};
   return table;
 }
 
