@@ -180,6 +180,60 @@ def rotary_embedding(
                                     bool(is_neox), int(rope_dim_offset), bool(inverse))
 
 
+def fused_qk_norm_rope(
+    qkv: torch.Tensor,
+    num_heads_q: int,
+    num_heads_k: int,
+    num_heads_v: int,
+    head_dim: int,
+    eps: float,
+    q_weight: torch.Tensor,
+    k_weight: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    position_ids: torch.Tensor,
+    gemma_norm: bool = False,
+) -> None:
+    """vLLM's ``fused_qk_norm_rope``, in place: every q and k head of ``qkv``
+    [T, (Hq + Hk + Hv)·head_dim] (any row stride) is RMS-normalised over head_dim with its weight
+    (``(1 + w)`` with ``gemma_norm``), in fp32, then rotated (``cos_sin_cache`` [max_pos, rot]
+    = cat(cos, sin); rot < head_dim: the other lanes are normalised, not rotated) and rounded
+    once. v is untouched. Positions outside the cache raise before anything is written."""
+    torch.ops.rome.fused_qk_norm_rope(qkv, int(num_heads_q), int(num_heads_k), int(num_heads_v),
+                                      int(head_dim), float(eps), q_weight, k_weight,
+                                      cos_sin_cache, bool(is_neox), position_ids,
+                                      bool(gemma_norm))
+
+
+def rotary_embedding_with_cache(
+    positions: torch.Tensor,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    head_size: int,
+    cos_sin_cache: torch.Tensor,
+    is_neox: bool,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    q_weight: Optional[torch.Tensor] = None,
+    k_weight: Optional[torch.Tensor] = None,
+    eps: float = 1e-6,
+    gemma_norm: bool = False,
+) -> None:
+    """RoPE + the paged KV-cache write in one pass: query [T, Hq·D] and key [T, Hk·D] (or
+    [T, H, D]) rotated in place, then the rotated key and ``value`` written to ``key_cache`` /
+    ``value_cache`` [num_blocks, block_size, Hk, D] at ``slot_mapping[t]`` (int32/int64;
+    slot = block·block_size + offset; -1: a padding token, rotated but not stored). With
+    ``q_weight`` and ``k_weight`` the heads are RMS-normalised first (QK-norm, as
+    :func:`fused_qk_norm_rope`). A slot outside the cache or used twice raises before anything
+    is written."""
+    torch.ops.rome.rotary_embedding_with_cache(positions, query, key, value, int(head_size),
+                                               cos_sin_cache, bool(is_neox), key_cache,
+                                               value_cache, slot_mapping, q_weight, k_weight,
+                                               float(eps), bool(gemma_norm))
+
+
 def apply_rotary_emb_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
     """ExecuTorch's ``apply_rotary_emb_interleaved`` contract (complex pair rotation).
 

@@ -24,7 +24,12 @@ import torch
 
 from . import ops
 
-__all__ = ["RotaryEmbedding", "rotary_embedding"]
+__all__ = ["RotaryEmbedding", "fused_qk_norm_rope", "rotary_embedding",
+           "rotary_embedding_with_cache"]
+
+# vLLM's fused op (same schema, plus Gemma's (1 + w) norm) and RoPE + the paged cache write.
+fused_qk_norm_rope = ops.fused_qk_norm_rope
+rotary_embedding_with_cache = ops.rotary_embedding_with_cache
 
 
 def rotary_embedding(
