@@ -64,6 +64,8 @@ def test_files_written(quick_run, isa):
     assert {r["method"] for r in lines} >= {"small", "matrix", "rome", "floor"}
     varlen = (out / "varlen_kv.md").read_text()
     assert "RoME varlen (cu_seqlens)" in varlen and "rerotate_ paged" in varlen
+    fused = (out / "fused.md").read_text()
+    assert "fused_qk_norm_rope" in fused and "rotary_embedding_with_cache" in fused
 
 
 def test_terminal_output(quick_run, isa):

@@ -39,6 +39,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--layouts-only", action="store_true", help="run only the layout study")
     p.add_argument("--no-varlen", action="store_true",
                    help="skip the ragged-batch and KV-cache re-rotation rows")
+    p.add_argument("--no-fused", action="store_true",
+                   help="skip the fused QK-norm + RoPE and RoPE + KV-cache write rows")
     p.add_argument("--threads", type=int, default=0, help="threads for every method (default: every core)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per cell (default 10, quick 3)")
     p.add_argument("--seq", type=int, default=0, help=f"S of the [1, 24, S, 128] rows (default {DEFAULT_SEQ})")
@@ -95,6 +97,19 @@ def main(argv=None) -> int:
         (out_dir / "varlen_kv.md").write_text(text)
         print(text)
         print(f"wrote {out_dir / 'varlen_kv.md'} ({vk['wall_s']:.0f} s)")
+        print()
+    if not args.no_fused:
+        from . import fused
+
+        threads_list = sorted({1, threads})
+        fu = fused.run(quick=args.quick, threads_list=threads_list,
+                       progress=lambda what: print(what, file=sys.stderr, flush=True))
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "fused.json").write_text(json.dumps(fu, indent=1))
+        text = fused.markdown(fu)
+        (out_dir / "fused.md").write_text(text)
+        print(text)
+        print(f"wrote {out_dir / 'fused.md'} ({fu['wall_s']:.0f} s)")
         print()
     if args.quick:
         compile_rows = QUICK_COMPILE_ROWS

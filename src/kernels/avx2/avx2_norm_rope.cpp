@@ -87,7 +87,11 @@ void norm_rows(const RotationData& r, const ForwardTile& tile, const NormParams&
         __m256 b;
         if (kind == NormKind::interleave) {
           b = _mm256_permute_ps(a, 0xb1);
-        } else {
+        } else if (j0 + kW <= h) {
+          b = _mm256_loadu_ps(N + j0 + h);
+        } else if (j0 >= h) {
+          b = _mm256_loadu_ps(N + j0 - h);
+        } else {  // the vector that straddles h (h not a multiple of 8)
           const __m256 upper = _mm256_cmp_ps(_mm256_add_ps(lane, _mm256_set1_ps(float(j0))),
                                              _mm256_set1_ps(float(h)), _CMP_GE_OQ);
           b = _mm256_blendv_ps(_mm256_loadu_ps(N + j0 + h), _mm256_loadu_ps(N + j0 - h), upper);
