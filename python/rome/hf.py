@@ -69,13 +69,15 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
 
 
 def _broadcasts_to(shape, target) -> bool:
-    """True when a tensor of `shape` broadcasts to `target` without growing it."""
+    """True when a tensor of `shape` broadcasts to `target` without growing it. (Plain
+    comparisons: torch.broadcast_shapes costs about 90 µs per call in eager mode, more than a
+    decode step's RoPE.)"""
     if len(shape) > len(target):
         return False
-    try:
-        return tuple(torch.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
-    except RuntimeError:
-        return False
+    for s, t in zip(reversed(tuple(shape)), reversed(tuple(target))):
+        if s != 1 and s != t:
+            return False
+    return True
 
 
 def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
@@ -97,6 +99,15 @@ def _rope_qk(
     """transformers' ``(q * cos + rotate_half(q) * sin, k * cos + ...)`` for tables broadcastable
     to q and k (already unsqueezed); cos narrower than q means partial rotary (GPT-NeoX, Phi)."""
     rd = cos.shape[-1] if cos.dim() else 0
+    if not torch.compiler.is_compiling():
+        # Eager: ask the kernel itself (it validates everything before writing anything) and
+        # fall back to transformers' formula on its refusal; the Python checks below cost more
+        # than a decode step's RoPE. Under torch.compile the fake kernel does not validate, so
+        # the checks decide there.
+        try:
+            return _rope_kernel(q, k, cos, sin, rd)
+        except (ValueError, IndexError, NotImplementedError):
+            pass
     q_ok = _kernel_ok(q, cos, sin)
     k_ok = k is None or _kernel_ok(k, cos, sin)
     if not q_ok:
@@ -106,14 +117,36 @@ def _rope_qk(
     if q_ok or (k is not None and k_ok):
         q_in = q.to(_out_dtype(q, cos, sin)) if q_ok else None
         k_in = k.to(_out_dtype(k, cos, sin)) if (k is not None and k_ok) else None
+        # The op's default overload with every argument positional: the Python wrapper and
+        # overload resolution cost a few µs per decode step.
+        rope = torch.ops.rome.rope.default
         if q_in is not None and k_in is not None and q_in.dtype == k_in.dtype:
-            q_out, k_out = ops.rope(q_in, k_in, cos, sin, rotation="half", rotary_dim=rd)
+            q_out, k_out = rope(q_in, k_in, cos, sin, None, "half", [], rd, "full", [], None, None)
         else:
             if q_in is not None:
-                q_out = ops.rope(q_in, None, cos, sin, rotation="half", rotary_dim=rd)[0]
+                q_out = rope(q_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0]
             if k_in is not None:
-                k_out = ops.rope(k_in, None, cos, sin, rotation="half", rotary_dim=rd)[0]
+                k_out = rope(k_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0]
     return q_out, (None if k is None else k_out)
+
+
+_ROPE = None
+
+
+def _rope_kernel(q, k, cos, sin, rd):
+    """RoME's op on q and k (promoted to transformers' result dtype); raises what the op raises."""
+    global _ROPE
+    if _ROPE is None:
+        _ROPE = torch.ops.rome.rope.default
+    same = cos.dtype == q.dtype and sin.dtype == q.dtype
+    q_in = q if same else q.to(_out_dtype(q, cos, sin))
+    if k is None:
+        return _ROPE(q_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0], None
+    k_in = k if same and k.dtype == q.dtype else k.to(_out_dtype(k, cos, sin))
+    if q_in.dtype == k_in.dtype:
+        return _ROPE(q_in, k_in, cos, sin, None, "half", [], rd, "full", [], None, None)
+    return (_ROPE(q_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0],
+            _ROPE(k_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -305,7 +305,7 @@ def _tiny_model(arch):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "gpt_neox"])
-def test_patch_model_same_logits(arch, monkeypatch):
+def test_patch_model_same_logits(arch):
     model = _tiny_model(arch)
     module = sys.modules[type(model.model if hasattr(model, "model") else model.gpt_neox)
                          .__module__]
@@ -314,15 +314,13 @@ def test_patch_model_same_logits(arch, monkeypatch):
     with torch.no_grad():
         ref = model(ids).logits
 
-    calls = []
-    real_rope = rome.ops.rope
-    monkeypatch.setattr(rome.ops, "rope", lambda *a, **kw: calls.append(1) or real_rope(*a, **kw))
     handle = rome.hf.patch_model(model)
     try:
         assert handle.active and module.__name__ in handle.patched, handle
         assert module.apply_rotary_pos_emb is not original
-        with torch.no_grad():
+        with torch.no_grad(), torch.profiler.profile() as prof:
             out = model(ids).logits
+        calls = [e for e in prof.events() if e.name == "rome::rope"]
         assert len(calls) == model.config.num_hidden_layers  # one RoME call (q and k) per layer
         torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
     finally:
@@ -725,3 +723,35 @@ def test_executorch_hf_rope_partial():
     q_ref, k_ref = modeling.apply_rotary_pos_emb(q, k, cos, sin)
     torch.testing.assert_close(q_out, q_ref, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(k_out, k_ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("case", ["float64", "growing_tables", "odd_rotary", "mixed_dtypes"])
+def test_hf_falls_back_where_the_kernel_refuses(case):
+    """rome.hf asks the kernel and, on its refusal, runs transformers' formula: same results."""
+    q = torch.randn(2, 4, 5, 16)
+    k = torch.randn(2, 2, 5, 16)
+    cos, sin = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    if case == "float64":
+        q, k, cos, sin = q.double(), k.double(), cos.double(), sin.double()
+    elif case == "growing_tables":  # tables with a batch of 2 for a q batch of 1: q grows
+        q, k = q[:1], k[:1]
+    elif case == "odd_rotary":  # a 15-wide table: the kernel has no odd half rotation
+        cos, sin = cos[..., :15], sin[..., :15]
+    else:  # bf16 q, fp32 tables: transformers promotes to fp32
+        q, k = q.bfloat16(), k.bfloat16()
+
+    def rotate_half(x):
+        return torch.cat((-x[..., x.shape[-1] // 2:], x[..., : x.shape[-1] // 2]), dim=-1)
+
+    def formula(x, c, s):
+        c, s = c.unsqueeze(1), s.unsqueeze(1)
+        rd = c.shape[-1]
+        if rd == x.shape[-1]:
+            return x * c + rotate_half(x) * s
+        return torch.cat([x[..., :rd] * c + rotate_half(x[..., :rd]) * s, x[..., rd:]], dim=-1)
+
+    q_out, k_out = rome.hf._rope_qk(q, k, cos.unsqueeze(1), sin.unsqueeze(1))
+    for got, x in ((q_out, q), (k_out, k)):
+        want = formula(x, cos, sin)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
