@@ -272,6 +272,39 @@ rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes
   return v;
 }
 
+// vLLM's cos_sin_cache [max_position, rotary_dim] as half-width cos and sin views (no narrow():
+// two tensor allocations per decode step) + positions [T] / [B, S] as [T, 1] / [B, S, 1] (one
+// position for every head). rotary_dim must be even and at most max_rotary.
+rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
+                         int64_t max_rotary, const std::string& max_rotary_what) {
+  if (positions.dim() < 1 || positions.dim() > 2)
+    rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]", shape_of(positions));
+  if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0 ||
+      cos_sin_cache.size(1) > max_rotary)
+    rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+               "[max_position, rotary_dim] with an even rotary_dim of at most " +
+                   std::to_string(max_rotary) + " (" + max_rotary_what + ")",
+               shape_of(cos_sin_cache));
+  const int64_t rd = cos_sin_cache.size(1), token_axes = positions.dim();
+  rome::Tables tables;
+  tables.positions = const_view(positions, "positions", true);
+  tables.positions.rank = static_cast<int>(token_axes + 1);
+  tables.positions.shape[token_axes] = 1;
+  tables.positions.strides[token_axes] = 0;
+  tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
+  tables.cos.shape[1] = rd / 2;
+  tables.sin = tables.cos;
+  tables.sin.data = static_cast<const char*>(tables.cos.data) +
+                    (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
+  tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
+  return tables;
+}
+
+rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox, int64_t offset = 0) {
+  return build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
+                        std::nullopt, "mat_b", offset);
+}
+
 void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const OptTensor& key,
                           int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
                           int64_t rope_dim_offset, bool inverse) {
@@ -286,44 +319,18 @@ void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const Op
             if (head_size <= 0)
               rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
                          std::to_string(head_size));
-            if (positions.dim() < 1 || positions.dim() > 2)
-              rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]",
-                         shape_of(positions));
-            if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 ||
-                cos_sin_cache.size(1) == 0)
-              rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-                         "[max_position, rotary_dim] with an even rotary_dim",
-                         shape_of(cos_sin_cache));
-            const int64_t rd = cos_sin_cache.size(1);
             if (rope_dim_offset < 0 || rope_dim_offset > head_size)
               rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
                          "an offset in [0, head_size " + std::to_string(head_size) + "]",
                          std::to_string(rope_dim_offset));
-            if (rd > head_size - rope_dim_offset)
-              rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-                         "rotary_dim (its last axis) at most head_size - rope_dim_offset = " +
-                             std::to_string(head_size - rope_dim_offset),
-                         shape_of(cos_sin_cache));
-            rome::Rotation rotation =
-                build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
-                               std::nullopt, "mat_b", rope_dim_offset);
+            rome::Tables tables =
+                vllm_tables(positions, cos_sin_cache, is_neox, head_size - rope_dim_offset,
+                            "head_size - rope_dim_offset");
+            tables.inverse = inverse;
+            const rome::Rotation rotation =
+                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox, rope_dim_offset);
             const int64_t token_axes = positions.dim();
             const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
-            // positions [T] / [B, S] -> [T, 1] / [B, S, 1]: one position for every head.
-            rome::Tables tables;
-            tables.positions = const_view(positions, "positions", true);
-            tables.positions.rank = static_cast<int>(token_axes + 1);
-            tables.positions.shape[token_axes] = 1;
-            tables.positions.strides[token_axes] = 0;
-            // cos = cache[:, :rd/2], sin = cache[:, rd/2:] as views of the cache (no narrow():
-            // two tensor allocations per decode step).
-            tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
-            tables.cos.shape[1] = rd / 2;
-            tables.sin = tables.cos;
-            tables.sin.data = static_cast<const char*>(tables.cos.data) +
-                              (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
-            tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
-            tables.inverse = inverse;
             const rome::Operand oq{rome::as_const(qv), qv};
             rome::Operand ok;
             if (has(key)) {
@@ -334,84 +341,56 @@ void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const Op
           });
 }
 
-// vLLM's cos_sin_cache [max_position, rotary_dim] as half-width cos and sin views + positions
-// [T] as [T, 1].
-rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
-                         int64_t head_size) {
-  if (positions.dim() != 1)
-    rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
-  if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0 ||
-      cos_sin_cache.size(1) > head_size)
-    rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
-               "[max_position, rotary_dim] with an even rotary_dim <= head_dim " +
-                   std::to_string(head_size),
-               shape_of(cos_sin_cache));
-  const int64_t rd = cos_sin_cache.size(1);
-  rome::Tables tables;
-  tables.positions = const_view(positions, "positions", true);
-  tables.positions.rank = 2;
-  tables.positions.shape[1] = 1;
-  tables.positions.strides[1] = 0;
-  tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
-  tables.cos.shape[1] = rd / 2;
-  tables.sin = tables.cos;
-  tables.sin.data = static_cast<const char*>(tables.cos.data) +
-                    (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
-  tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
-  return tables;
-}
-
-rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox) {
-  return build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
-                        std::nullopt, "mat_b");
-}
-
 void fused_qk_norm_rope_cpu(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
                             int64_t num_heads_v, int64_t head_dim, double eps,
                             const Tensor& q_weight, const Tensor& k_weight,
                             const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
                             bool gemma_norm) {
-  guarded({{"q", "qkv"},
-           {"k", "qkv"},
-           {"q_out", "qkv"},
-           {"k_out", "qkv"},
-           {"cos", "cos_sin_cache"},
-           {"sin", "cos_sin_cache"},
-           {"positions", "position_ids"},
-           {"head_dim", "head_dim"}},
-          [&] {
-            if (head_dim <= 0 || num_heads_q <= 0 || num_heads_k <= 0 || num_heads_v < 0)
-              rome::fail(rome::Status::invalid_argument, "head_dim / num_heads",
-                         "positive head_dim, num_heads_q, num_heads_k and num_heads_v >= 0",
-                         std::to_string(head_dim) + ", " + std::to_string(num_heads_q) + ", " +
-                             std::to_string(num_heads_k) + ", " + std::to_string(num_heads_v));
-            const int64_t width = (num_heads_q + num_heads_k + num_heads_v) * head_dim;
-            if (qkv.dim() != 2 || qkv.size(1) != width)
-              rome::fail(rome::Status::invalid_argument, "qkv",
-                         "[T, (Hq + Hk + Hv) * head_dim] = [T, " + std::to_string(width) + "]",
-                         shape_of(qkv));
-            const rome::Tables tables = vllm_tables(position_ids, cos_sin_cache, is_neox, head_dim);
-            const rome::Rotation rotation = vllm_rotation(cos_sin_cache.size(1), head_dim, is_neox);
-            const rome::TensorView whole = mutable_view(qkv, "qkv");
-            auto heads = [&](int64_t first, int64_t count) {
-              rome::TensorView v = whole;
-              v.data = static_cast<char*>(v.data) +
-                       first * head_dim * whole.strides[1] * qkv.element_size();
-              v.rank = 3;
-              v.shape[1] = count;
-              v.strides[1] = head_dim * whole.strides[1];
-              v.shape[2] = head_dim;
-              v.strides[2] = whole.strides[1];
-              return v;
-            };
-            rome::QkNorm norm;
-            norm.q_weight = const_view(q_weight, "q_weight", false);
-            norm.k_weight = const_view(k_weight, "k_weight", false);
-            norm.eps = float(eps);
-            norm.unit_offset = gemma_norm;
-            rome::qk_norm_rope(rotation, tables, norm, heads(0, num_heads_q),
-                               heads(num_heads_q, num_heads_k), exec_options());
-          });
+  guarded(
+      {{"q", "qkv"},
+       {"k", "qkv"},
+       {"q_out", "qkv"},
+       {"k_out", "qkv"},
+       {"cos", "cos_sin_cache"},
+       {"sin", "cos_sin_cache"},
+       {"positions", "position_ids"},
+       {"head_dim", "head_dim"}},
+      [&] {
+        if (head_dim <= 0 || num_heads_q <= 0 || num_heads_k <= 0 || num_heads_v < 0)
+          rome::fail(rome::Status::invalid_argument, "head_dim / num_heads",
+                     "positive head_dim, num_heads_q, num_heads_k and num_heads_v >= 0",
+                     std::to_string(head_dim) + ", " + std::to_string(num_heads_q) + ", " +
+                         std::to_string(num_heads_k) + ", " + std::to_string(num_heads_v));
+        const int64_t width = (num_heads_q + num_heads_k + num_heads_v) * head_dim;
+        if (qkv.dim() != 2 || qkv.size(1) != width)
+          rome::fail(rome::Status::invalid_argument, "qkv",
+                     "[T, (Hq + Hk + Hv) * head_dim] = [T, " + std::to_string(width) + "]",
+                     shape_of(qkv));
+        if (position_ids.dim() != 1)
+          rome::fail(rome::Status::invalid_argument, "position_ids", "[T]", shape_of(position_ids));
+        const rome::Tables tables =
+            vllm_tables(position_ids, cos_sin_cache, is_neox, head_dim, "head_dim");
+        const rome::Rotation rotation = vllm_rotation(cos_sin_cache.size(1), head_dim, is_neox);
+        const rome::TensorView whole = mutable_view(qkv, "qkv");
+        auto heads = [&](int64_t first, int64_t count) {
+          rome::TensorView v = whole;
+          v.data =
+              static_cast<char*>(v.data) + first * head_dim * whole.strides[1] * qkv.element_size();
+          v.rank = 3;
+          v.shape[1] = count;
+          v.strides[1] = head_dim * whole.strides[1];
+          v.shape[2] = head_dim;
+          v.strides[2] = whole.strides[1];
+          return v;
+        };
+        rome::QkNorm norm;
+        norm.q_weight = const_view(q_weight, "q_weight", false);
+        norm.k_weight = const_view(k_weight, "k_weight", false);
+        norm.eps = float(eps);
+        norm.unit_offset = gemma_norm;
+        rome::qk_norm_rope(rotation, tables, norm, heads(0, num_heads_q),
+                           heads(num_heads_q, num_heads_k), exec_options());
+      });
 }
 
 void rotary_embedding_with_cache_cpu(const Tensor& positions, const Tensor& query,
@@ -431,7 +410,10 @@ void rotary_embedding_with_cache_cpu(const Tensor& positions, const Tensor& quer
             if (head_size <= 0)
               rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
                          std::to_string(head_size));
-            const rome::Tables tables = vllm_tables(positions, cos_sin_cache, is_neox, head_size);
+            if (positions.dim() != 1)
+              rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
+            const rome::Tables tables =
+                vllm_tables(positions, cos_sin_cache, is_neox, head_size, "head_size");
             const rome::Rotation rotation =
                 vllm_rotation(cos_sin_cache.size(1), head_size, is_neox);
             const rome::TensorView q = vllm_view(query, "query", 1, head_size);
