@@ -66,6 +66,7 @@ def test_files_written(quick_run, isa):
     assert "RoME varlen (cu_seqlens)" in varlen and "rerotate_ paged" in varlen
     fused = (out / "fused.md").read_text()
     assert "fused_qk_norm_rope" in fused and "rotary_embedding_with_cache" in fused
+    assert "rome.hf.apply_rotary_pos_emb" in (out / "hf_decode.md").read_text()
 
 
 def test_terminal_output(quick_run, isa):

@@ -40,7 +40,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--no-varlen", action="store_true",
                    help="skip the ragged-batch and KV-cache re-rotation rows")
     p.add_argument("--no-fused", action="store_true",
-                   help="skip the fused QK-norm + RoPE and RoPE + KV-cache write rows")
+                   help="skip the fused QK-norm + RoPE, RoPE + KV-cache write and HF decode rows")
     p.add_argument("--threads", type=int, default=0, help="threads for every method (default: every core)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per cell (default 10, quick 3)")
     p.add_argument("--seq", type=int, default=0, help=f"S of the [1, 24, S, 128] rows (default {DEFAULT_SEQ})")
@@ -111,6 +111,14 @@ def main(argv=None) -> int:
         print(text)
         print(f"wrote {out_dir / 'fused.md'} ({fu['wall_s']:.0f} s)")
         print()
+        from . import hf_decode
+
+        hd = hf_decode.run(quick=args.quick, threads_list=threads_list,
+                           progress=lambda what: print(what, file=sys.stderr, flush=True))
+        (out_dir / "hf_decode.json").write_text(json.dumps(hd, indent=1))
+        text = hf_decode.markdown(hd)
+        (out_dir / "hf_decode.md").write_text(text)
+        print(text)
     if args.quick:
         compile_rows = QUICK_COMPILE_ROWS
     elif args.full:
