@@ -107,7 +107,13 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
   }
   if (blocks.empty() || !has_work) return;
 
-  const auto [kernel, layout] = detail::forward_kernel(inner, plan.dtype);
+  const kernels::KernelTable& table = detail::active_kernels();
+  kernels::ForwardFn kernel = table.forward_permute;
+  kernels::TableLayout layout = kernels::TableLayout::natural;
+  if (inner.kind() == Rotation::Kind::dense)
+    kernel = table.forward_dense ? table.forward_dense : kernels::scalar_kernels().forward_dense;
+  else if (table.permute_table_layout)
+    layout = table.permute_table_layout(inner.data(), plan.dtype);
 
   // One prepared row per sequence.
   const int64_t rd = inner.rotary_dim();
