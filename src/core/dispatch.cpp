@@ -190,6 +190,16 @@ int resolve_threads(int requested) noexcept {
   return configured > 0 ? configured : default_num_threads();
 }
 
+ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept {
+  const kernels::KernelTable& table = active_kernels();
+  if (rotation.kind() == Rotation::Kind::dense)
+    return {table.forward_dense ? table.forward_dense : kernels::scalar_kernels().forward_dense,
+            kernels::TableLayout::natural};
+  return {table.forward_permute, table.permute_table_layout
+                                     ? table.permute_table_layout(rotation.data(), dtype)
+                                     : kernels::TableLayout::natural};
+}
+
 }  // namespace detail
 
 const char* isa_name(Isa isa) noexcept {

@@ -16,6 +16,14 @@ const CpuFeatures& cpu_features() noexcept;
 
 const kernels::KernelTable& active_kernels() noexcept;
 
+// The active ISA's forward kernel for a rotation (dense: its matrix kernel, else the scalar one)
+// and the table-row layout it wants for x's dtype.
+struct ForwardKernel {
+  kernels::ForwardFn fn;
+  kernels::TableLayout layout;
+};
+ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept;
+
 // Data cache sizes in bytes (sysconf, which reads CPUID; typical values where it reports none).
 struct CacheSizes {
   std::int64_t l1d, l2, l3;

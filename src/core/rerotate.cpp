@@ -107,13 +107,10 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
   }
   if (blocks.empty() || !has_work) return;
 
-  const kernels::KernelTable& table = detail::active_kernels();
-  kernels::ForwardFn kernel = table.forward_permute;
-  kernels::TableLayout layout = kernels::TableLayout::natural;
-  if (inner.kind() == Rotation::Kind::dense)
-    kernel = table.forward_dense ? table.forward_dense : kernels::scalar_kernels().forward_dense;
-  else if (table.permute_table_layout)
-    layout = table.permute_table_layout(inner.data(), plan.dtype);
+  // Not a structured binding: the worker lambda below captures the kernel (clang-14 rejects
+  // capturing bindings).
+  const detail::ForwardKernel kernel = detail::forward_kernel(inner, plan.dtype);
+  const kernels::TableLayout layout = kernel.layout;
 
   // One prepared row per sequence.
   const int64_t rd = inner.rotary_dim();
@@ -160,7 +157,7 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
         tile.x = tile.y = base;
         tile.x_step = tile.y_step = row_step * es;
         tile.count = blk.slots * heads;
-        kernel(r, tile);
+        kernel.fn(r, tile);
         continue;
       }
       tile.x_step = tile.y_step = v.strides[2] * es;
@@ -168,7 +165,7 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
       for (int64_t s = 0; s < blk.slots; ++s) {
         tile.y = base + s * v.strides[1] * es;
         tile.x = tile.y;
-        kernel(r, tile);
+        kernel.fn(r, tile);
       }
     }
   });

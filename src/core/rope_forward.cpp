@@ -204,20 +204,14 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   const std::int64_t rows = plan.q.inner.rows + (plan.has_k ? plan.k.inner.rows : 0);
   t_last_call_threads = 0;
   if (plan.outer_total == 0 || rows == 0) return;
-  const kernels::KernelTable& table = detail::active_kernels();
-  kernels::ForwardFn kernel = table.forward_permute;
-  kernels::TableLayout layout = kernels::TableLayout::natural;
-  if (rotation.kind() == Rotation::Kind::dense)
-    kernel = table.forward_dense ? table.forward_dense : kernels::scalar_kernels().forward_dense;
-  else if (table.permute_table_layout)
-    layout = table.permute_table_layout(rotation.data(), plan.dtype);
+  const detail::ForwardKernel kernel = detail::forward_kernel(rotation, plan.dtype);
   int threads = detail::resolve_threads(options.num_threads);
   if (plan.bytes_moved < kParallelBytes) threads = 1;
 
   Executor ex{};
   ex.plan = &plan;
-  ex.kernel = kernel;
-  ex.layout = layout;
+  ex.kernel = kernel.fn;
+  ex.layout = kernel.layout;
   ex.line_length = plan.outer_count > 0 ? plan.outer_size[plan.outer_count - 1] : 1;
   const std::int64_t lines = plan.outer_total / ex.line_length;
   ex.table_stride = (rotation.rotary_dim() + 15) / 16 * 16;

@@ -70,55 +70,37 @@ def main(argv=None) -> int:
         rows = [r for r in rows if r.key in wanted]
     threads = args.threads or len(os.sched_getaffinity(0))
     out_dir = Path(args.out)
+    threads_list = sorted({1, threads})
+
+    def section(module, name: str, **kw) -> dict:
+        """Runs one study, prints its table and writes <name>.md / <name>.json."""
+        res = module.run(quick=args.quick, threads_list=threads_list,
+                         progress=lambda what: print(what, file=sys.stderr, flush=True), **kw)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
+        text = module.markdown(res)
+        (out_dir / f"{name}.md").write_text(text)
+        print(text)
+        wall = f" ({res['wall_s']:.0f} s)" if "wall_s" in res else ""
+        print(f"wrote {out_dir / (name + '.md')}, {out_dir / (name + '.json')}{wall}")
+        print()
+        return res
+
     if not args.no_layouts:
         from . import layouts
 
-        threads_list = sorted({1, threads})
-        lay = layouts.run(quick=args.quick, full=args.full, threads_list=threads_list,
-                          progress=lambda what: print(what, file=sys.stderr, flush=True))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "layouts.json").write_text(json.dumps(lay, indent=1))
-        text = layouts.markdown(lay)
-        (out_dir / "layouts.md").write_text(text)
-        print(text)
-        print(f"wrote {out_dir / 'layouts.md'}, {out_dir / 'layouts.json'} ({lay['wall_s']:.0f} s)")
-        print()
+        section(layouts, "layouts", full=args.full)
         if args.layouts_only:
             return 0
     if not args.no_varlen:
         from . import varlen_kv
 
-        threads_list = sorted({1, threads})
-        vk = varlen_kv.run(quick=args.quick, threads_list=threads_list,
-                           progress=lambda what: print(what, file=sys.stderr, flush=True))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "varlen_kv.json").write_text(json.dumps(vk, indent=1))
-        text = varlen_kv.markdown(vk)
-        (out_dir / "varlen_kv.md").write_text(text)
-        print(text)
-        print(f"wrote {out_dir / 'varlen_kv.md'} ({vk['wall_s']:.0f} s)")
-        print()
+        section(varlen_kv, "varlen_kv")
     if not args.no_fused:
-        from . import fused
+        from . import fused, hf_decode
 
-        threads_list = sorted({1, threads})
-        fu = fused.run(quick=args.quick, threads_list=threads_list,
-                       progress=lambda what: print(what, file=sys.stderr, flush=True))
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "fused.json").write_text(json.dumps(fu, indent=1))
-        text = fused.markdown(fu)
-        (out_dir / "fused.md").write_text(text)
-        print(text)
-        print(f"wrote {out_dir / 'fused.md'} ({fu['wall_s']:.0f} s)")
-        print()
-        from . import hf_decode
-
-        hd = hf_decode.run(quick=args.quick, threads_list=threads_list,
-                           progress=lambda what: print(what, file=sys.stderr, flush=True))
-        (out_dir / "hf_decode.json").write_text(json.dumps(hd, indent=1))
-        text = hf_decode.markdown(hd)
-        (out_dir / "hf_decode.md").write_text(text)
-        print(text)
+        section(fused, "fused")
+        section(hf_decode, "hf_decode")
     if args.quick:
         compile_rows = QUICK_COMPILE_ROWS
     elif args.full:
