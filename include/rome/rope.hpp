@@ -16,13 +16,21 @@ enum class TableWidth : std::uint8_t {
   pairs,   // width == rotary_dim/2, lane j reads column j / 2 (GPT-J caches, ExecuTorch)
 };
 
-// The cos (C) and sin (S) tables, given one of two ways:
+// The cos (C) and sin (S) tables, given one of three ways:
 //  - direct: cos and sin share one shape, broadcastable to x's shape with the last axis being
 //    the table width (e.g. [1, 1, S, D], [B, 1, S, D], [S, D], [1, S, 1, D]);
 //  - cache: cos and sin are [P, width] and `positions` (int32 or int64) picks a row per token.
 //    positions has rank x.rank - 1, broadcastable to x's shape without its last axis; with
 //    `column_axis` set it has one more trailing axis (one position per axis: t, h, w, ...) and
 //    column c reads the position of axis column_axis[c] (MRoPE, multi-axis grids).
+//  - table-free: no cos/sin tensors; `positions` as for the cache form, and `frequencies` (one
+//    per lane pair of the rotation, pairs numbered by their lower lane: j and j + rot/2 for
+//    half, 2i and 2i + 1 for interleave, block by block for block diagonals). C and S of lane j
+//    in pair i are amplitude·cos/sin(position × frequencies[i]), computed per token as the rows
+//    are needed: the angle without rounding error, reduced by π/2 in double, cos/sin in double,
+//    one rounding to fp32 — exact to fp32 at any position (|position × frequency| < 2^50).
+//    `column_axis` then has one entry per frequency. Needs a rotation that turns lane pairs
+//    (every signed-permutation RoPE; not a dense one). Nothing of size max_position is built.
 // Tables may be any floating dtype, independent of x, and any stride (including the last axis).
 struct Tables {
   ConstTensorView cos;
@@ -34,8 +42,12 @@ struct Tables {
   // rotation when A = I and B is antisymmetric (half, interleave, quarter, their blocks; not
   // interleave_half, whose A reorders lanes). No table is rebuilt.
   bool inverse = false;
+  // Table-free form (cos and sin left empty).
+  std::vector<double> frequencies;
+  double amplitude = 1.0;
 
   bool is_cache() const noexcept { return positions.data != nullptr || positions.rank > 0; }
+  bool is_table_free() const noexcept { return !frequencies.empty(); }
 };
 
 // One tensor to rotate: `in` is read, `out` is written. out.data == in.data with equal strides

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <climits>
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
@@ -10,6 +11,7 @@
 #include <type_traits>
 
 #include "convert.hpp"
+#include "dispatch.hpp"
 #include "rome/error.hpp"
 
 namespace rome::detail {
@@ -19,6 +21,12 @@ using std::int64_t;
 using std::to_string;
 
 constexpr int64_t kMaxElements = int64_t(1) << 60;
+
+std::string number_string(double v) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.9g", v);
+  return buffer;
+}
 
 std::string dims_string(const int64_t* shape, int rank) {
   std::string s = "[";
@@ -247,22 +255,15 @@ const char* width_name(TableWidth w) {
   return w == TableWidth::full ? "full" : w == TableWidth::halves ? "halves" : "pairs";
 }
 
-template <typename Index>
-void check_positions_range(const ConstTensorView& p, int64_t cache_rows) {
-  // Walks every element of the (possibly broadcast, strided) positions view.
+// Calls check(value, index) on every element of the (possibly broadcast, strided) positions view.
+template <typename Index, typename Check>
+void for_each_position(const ConstTensorView& p, Check&& check) {
   const auto* base = static_cast<const Index*>(p.data);
   int64_t idx[kMaxRank] = {};
   const int64_t n = p.numel();
   int64_t offset = 0;
   for (int64_t e = 0; e < n; ++e) {
-    const int64_t value = int64_t(base[offset]);
-    if (value < 0 || value >= cache_rows) {
-      std::string at = "[";
-      for (int i = 0; i < p.rank; ++i) at += (i ? ", " : "") + to_string(idx[i]);
-      fail(Status::out_of_range, "positions",
-           "values in [0, " + to_string(cache_rows) + ") (rows of the cos/sin cache)",
-           to_string(value) + " at index " + at + "]");
-    }
+    check(int64_t(base[offset]), idx);
     for (int i = p.rank - 1; i >= 0; --i) {
       if (p.shape[i] <= 1) continue;  // any stride is allowed on a size-1 axis: never step it
       if (++idx[i] < p.shape[i]) {
@@ -273,6 +274,65 @@ void check_positions_range(const ConstTensorView& p, int64_t cache_rows) {
       idx[i] = 0;
     }
   }
+}
+
+std::string index_string(const int64_t* idx, int rank) {
+  std::string at = "[";
+  for (int i = 0; i < rank; ++i) at += (i ? ", " : "") + to_string(idx[i]);
+  return at + "]";
+}
+
+template <typename Index>
+void check_positions_range(const ConstTensorView& p, int64_t cache_rows) {
+  for_each_position<Index>(p, [&](int64_t value, const int64_t* idx) {
+    if (value < 0 || value >= cache_rows)
+      fail(Status::out_of_range, "positions",
+           "values in [0, " + to_string(cache_rows) + ") (rows of the cos/sin cache)",
+           to_string(value) + " at index " + index_string(idx, p.rank));
+  });
+}
+
+// Table-free: the angle reduction is exact while |position × frequency| < 2^51; 2^50 leaves room.
+constexpr double kMaxAngle = 0x1p50;
+
+template <typename Index>
+void check_positions_angle(const ConstTensorView& p, double largest_frequency) {
+  const double limit = largest_frequency > 0 ? kMaxAngle / largest_frequency : 0.0;
+  for_each_position<Index>(p, [&](int64_t value, const int64_t* idx) {
+    if (largest_frequency > 0 && std::fabs(double(value)) >= limit)
+      fail(Status::out_of_range, "positions",
+           "values whose angles |position × frequency| stay below 2^50 (|position| < " +
+               number_string(limit) + " for the largest frequency " +
+               number_string(largest_frequency) + ")",
+           to_string(value) + " at index " + index_string(idx, p.rank));
+  });
+}
+
+void check_frequencies(const RotationData& rot, const Tables& tables) {
+  if (rot.kind != Rotation::Kind::signed_permutation || rot.lane_frequency.empty())
+    fail(Status::invalid_argument, "rotation",
+         "a rotation that turns pairs of lanes (half, interleave, quarter, interleave_half, "
+         "their blocks) for table-free tables",
+         rot.kind == Rotation::Kind::dense ? "a dense rotation"
+                                           : "a signed permutation that does not pair lanes");
+  if (int64_t(tables.frequencies.size()) != rot.frequency_count)
+    fail(Status::invalid_argument, "tables.frequencies",
+         to_string(rot.frequency_count) + " values (one per lane pair of rotary_dim " +
+             to_string(rot.rotary_dim) + ")",
+         to_string(tables.frequencies.size()) + " values");
+  for (std::size_t i = 0; i < tables.frequencies.size(); ++i)
+    if (!std::isfinite(tables.frequencies[i]))
+      fail(Status::invalid_argument, "tables.frequencies", "finite values",
+           number_string(tables.frequencies[i]) + " at index " + to_string(i));
+  if (!std::isfinite(tables.amplitude))
+    fail(Status::invalid_argument, "tables.amplitude", "a finite value",
+         number_string(tables.amplitude));
+  if (tables.cos.data || tables.sin.data || tables.cos.rank > 0 || tables.sin.rank > 0)
+    fail(Status::invalid_argument, "cos",
+         "empty (table-free tables compute cos and sin from the frequencies)", "a tensor");
+  if (!tables.is_cache())
+    fail(Status::invalid_argument, "positions", "a tensor (table-free tables need positions)",
+         "none");
 }
 
 }  // namespace
@@ -313,11 +373,16 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       tables.width != TableWidth::pairs)
     fail(Status::invalid_argument, "tables.width", "full, halves or pairs",
          "value " + to_string(int(tables.width)));
-  const int64_t columns = expected_columns(rot, tables.width);
-  if (tables.width != TableWidth::full && rot.rotary_dim % 2 != 0)
+  const bool table_free = tables.is_table_free();
+  const int64_t columns = table_free ? rot.frequency_count : expected_columns(rot, tables.width);
+  if (table_free) {
+    check_frequencies(rot, tables);
+  } else if (tables.width != TableWidth::full && rot.rotary_dim % 2 != 0) {
     fail(Status::invalid_argument, "tables.width", "full for an odd rotary_dim",
          width_name(tables.width));
+  }
   for (const auto* t : {&cos, &sin}) {
+    if (table_free) break;
     const std::string name = t == &cos ? "cos" : "sin";
     if (t->rank < 1 || t->rank > kMaxRank)
       fail(Status::invalid_argument, name, "rank 1 to 5", "rank " + to_string(t->rank));
@@ -333,7 +398,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
            shape_string(*t));
     check_data_pointer(name, t->data, t->dtype, t->numel());
   }
-  if (cos.rank != sin.rank || !std::equal(cos.shape, cos.shape + cos.rank, sin.shape))
+  if (!table_free &&
+      (cos.rank != sin.rank || !std::equal(cos.shape, cos.shape + cos.rank, sin.shape)))
     fail(Status::invalid_argument, "sin", "the shape of cos " + shape_string(cos),
          shape_string(sin));
 
@@ -347,6 +413,12 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   tp.width = tables.width;
   tp.negate_sin = tables.inverse;
   tp.columns = columns;
+  if (table_free) {
+    tp.frequencies = tables.frequencies.data();
+    tp.lane_frequency = rot.lane_frequency.data();
+    tp.amplitude = tables.amplitude;
+    tp.cos_sin = active_kernels().cos_sin;
+  }
 
   // For each axis of x (but the head): does the table row change along it? Strides of the
   // table source along that axis go to the outer plan.
@@ -385,10 +457,12 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
                           tables.width == TableWidth::full && tp.cos_lane == 1 && tp.sin_lane == 1;
   } else {
     const ConstTensorView& p = tables.positions;
-    if (cos.rank != 2)
+    if (table_free) {
+      // nothing: no cache to check
+    } else if (cos.rank != 2)
       fail(Status::invalid_argument, "cos", "a [P, width] cache (rank 2) when positions are given",
            shape_string(cos));
-    if (cos.shape[0] < 1)
+    else if (cos.shape[0] < 1)
       fail(Status::invalid_argument, "cos", "a cache with at least one row", shape_string(cos));
     if (p.dtype != DType::i32 && p.dtype != DType::i64)
       fail(Status::invalid_argument, "positions.dtype", "int32 or int64", dtype_name(p.dtype));
@@ -406,7 +480,8 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       const int64_t n_axes = p.shape[p.rank - 1];
       if (int64_t(tables.column_axis.size()) != columns)
         fail(Status::invalid_argument, "tables.column_axis",
-             to_string(columns) + " entries (one per table column)",
+             to_string(columns) +
+                 (table_free ? " entries (one per frequency)" : " entries (one per table column)"),
              to_string(tables.column_axis.size()));
       for (std::size_t c = 0; c < tables.column_axis.size(); ++c)
         if (tables.column_axis[c] < 0 || tables.column_axis[c] >= n_axes)
@@ -421,10 +496,18 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       if (p.shape[i] != 1) varies[i] = true;
       pos_stride[i] = p.strides[i];
     }
-    if (p.dtype == DType::i32)
+    if (table_free) {
+      double largest = 0.0;
+      for (const double f : tables.frequencies) largest = std::max(largest, std::fabs(f));
+      if (p.dtype == DType::i32)
+        check_positions_angle<std::int32_t>(p, largest);
+      else
+        check_positions_angle<std::int64_t>(p, largest);
+    } else if (p.dtype == DType::i32) {
       check_positions_range<std::int32_t>(p, cos.shape[0]);
-    else
+    } else {
       check_positions_range<std::int64_t>(p, cos.shape[0]);
+    }
     tp.positions = static_cast<const char*>(p.data);
     tp.positions_dtype = p.dtype;
     tp.cos_row = cos.strides[0];
@@ -454,8 +537,10 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     plan.k.in_place = ck.in_place;
   }
   auto outputs_clear_of_tables = [&](const TensorView& out, const std::string& name) {
-    require_disjoint(out, name, cos, "cos");
-    require_disjoint(out, name, sin, "sin");
+    if (!table_free) {
+      require_disjoint(out, name, cos, "cos");
+      require_disjoint(out, name, sin, "sin");
+    }
     if (tables.is_cache()) require_disjoint(out, name, tables.positions, "positions");
   };
   if (q_written && q.in.numel() > 0) outputs_clear_of_tables(q.out, "q_out");
@@ -611,6 +696,47 @@ void load_row(const char* row, DType dtype, int64_t lane, const TablePlan& t, in
   expand_columns(scratch, t.width, t.columns, rd, out);
 }
 
+int64_t position_at(const TablePlan& t, int64_t offset) {
+  return t.positions_dtype == DType::i32
+             ? int64_t(reinterpret_cast<const std::int32_t*>(t.positions)[offset])
+             : reinterpret_cast<const std::int64_t*>(t.positions)[offset];
+}
+
+// cos/sin of every frequency at the token's position(s), then spread over the lanes.
+TableRow table_free_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
+  const TablePlan& t = plan.tables;
+  const int64_t rd = plan.rotation->rotary_dim, n = t.columns;
+  int64_t op = 0;
+  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
+  constexpr int64_t kStack = 256;
+  double stack_position[kStack];
+  float stack_values[2 * kStack];
+  std::vector<double> heap_position;
+  std::vector<float> heap_values;
+  double* position = stack_position;
+  float* values = stack_values;
+  if (n > kStack) {
+    heap_position.resize(std::size_t(n));
+    heap_values.resize(std::size_t(2 * n));
+    position = heap_position.data();
+    values = heap_values.data();
+  }
+  if (t.column_axis) {
+    for (int64_t c = 0; c < n; ++c)
+      position[c] = double(position_at(t, op + t.column_axis[c] * t.positions_axis_stride));
+  } else {
+    std::fill(position, position + n, double(position_at(t, op)));
+  }
+  float* cos_f = values;
+  float* sin_f = values + n;
+  t.cos_sin(n, position, t.frequencies, t.amplitude, cos_f, sin_f);
+  for (int64_t j = 0; j < rd; ++j) {
+    cos[j] = cos_f[t.lane_frequency[j]];
+    sin[j] = sin_f[t.lane_frequency[j]];
+  }
+  return {cos, sin};
+}
+
 TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, float* cos,
                                  float* sin) {
   const TablePlan& t = plan.tables;
@@ -623,6 +749,7 @@ TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, 
     }
     return lane;
   };
+  if (t.frequencies) return table_free_row(plan, outer, cos, sin);
   const int ecs = dtype_size(t.dtype_cos), ess = dtype_size(t.dtype_sin);
   const char* crow = nullptr;
   const char* srow = nullptr;

@@ -48,6 +48,11 @@ struct TablePlan {
   const int* column_axis = nullptr;  // columns entries, or nullptr for one position per token
   bool direct_fp32_rows = false;     // rows can be used in place: fp32, full width, unit stride
   bool negate_sin = false;           // Tables::inverse
+  // table-free (cos, sin null): columns = frequencies, lane j uses lane_frequency[j]
+  const double* frequencies = nullptr;
+  const std::int32_t* lane_frequency = nullptr;
+  double amplitude = 1.0;
+  kernels::CosSinFn cos_sin = nullptr;
 };
 
 struct ForwardPlan {

@@ -150,6 +150,27 @@ void require_dim(const char* argument, std::int64_t dim, std::int64_t multiple) 
          std::to_string(dim));
 }
 
+// RotationData::lane_frequency of a signed permutation (empty when lanes do not pair up).
+std::vector<std::int32_t> lane_frequencies(const RotationData& d) {
+  const std::int64_t rd = d.rotary_dim;
+  std::vector<std::int32_t> partner(std::size_t(rd), -1);
+  for (std::int64_t j = 0; j < rd; ++j) {
+    if (d.b.sign[j] == 0) return {};
+    const std::int32_t m = d.a_t.src[std::size_t(d.b.src[j])];  // the output lane A fills from it
+    if (d.a_t.sign[std::size_t(d.b.src[j])] == 0 || m == j) return {};
+    partner[j] = m;
+  }
+  std::vector<std::int32_t> index(std::size_t(rd), -1);
+  std::int32_t next = 0;
+  for (std::int64_t j = 0; j < rd; ++j) {
+    const std::int32_t m = partner[j];
+    // y_j = u_j·c + b_j·a_m·u_m·s with u = x·A: a rotation of (u_j, u_m) needs opposite signs.
+    if (partner[m] != j || d.b.sign[j] * d.a.sign[m] != -d.b.sign[m] * d.a.sign[j]) return {};
+    if (index[j] < 0) index[j] = index[m] = next++;
+  }
+  return index;
+}
+
 void finish_permutation(RotationData& d) {
   d.kind = Rotation::Kind::signed_permutation;
   d.a_identity = d.a.is_identity();
@@ -169,6 +190,8 @@ void finish_permutation(RotationData& d) {
   };
   d.cos_sign_bits = sign_bits(d.a);
   d.sin_sign_bits = sign_bits(d.b);
+  d.lane_frequency = lane_frequencies(d);
+  d.frequency_count = std::int64_t(d.lane_frequency.size()) / 2;
 }
 
 std::shared_ptr<RotationData> permutation_rotation(std::int64_t dim, SignedPermutation a,

@@ -80,6 +80,12 @@ struct RotationData {
   // executor folds them into the table rows it hands to the kernels: (±x)·c == x·(±c) and
   // fma(±x, s, t) == fma(x, ±s, t) bit for bit, so kernels only move lanes.
   std::vector<std::uint32_t> cos_sign_bits, sin_sign_bits;
+  // Table-free RoPE: the frequency index of each output lane, when the rotation turns pairs of
+  // output lanes {j, m} by one angle each ((x·B)[j] reads the lane that (x·A)[m] reads, and the
+  // other way round, with opposite signs); pairs are numbered by their lower lane. Empty when
+  // the rotation does not pair lanes that way.
+  std::vector<std::int32_t> lane_frequency;
+  std::int64_t frequency_count = 0;
   PermutePlans avx2;    // 8 lanes, one source per step
   PermutePlans avx512;  // 16 lanes, two sources per step
 

@@ -63,6 +63,13 @@ struct NormParams {
 using NormForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile,
                                const NormParams& norm);
 
+// cos[i] = fp32(amplitude·cos(position[i]·frequency[i])) and sin likewise, for i < n: the
+// angle formed without rounding error, reduced by π/2 in double, cos/sin in double, one
+// rounding to fp32 (cos_sin-inl.hpp). Requires |position[i]·frequency[i]| < 2^51 (the core
+// checks). Every ISA gives the same bits.
+using CosSinFn = void (*)(std::int64_t n, const double* position, const double* frequency,
+                          double amplitude, float* cos, float* sin);
+
 struct KernelTable {
   const char* name;
   ForwardFn forward_permute;  // rotation.kind == signed_permutation
@@ -70,6 +77,7 @@ struct KernelTable {
   AccumulateProductFn accumulate_product;
   TableLayoutFn permute_table_layout;  // nullptr: natural
   NormForwardFn forward_norm_permute;  // nullptr: use the scalar kernel
+  CosSinFn cos_sin;                    // table-free RoPE's angles
 };
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags.
@@ -77,6 +85,13 @@ const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels();
 const KernelTable& amx_kernels();
+
+void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,
+                    double amplitude, float* cos, float* sin);
+void avx2_cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,
+                  float* cos, float* sin);
+void avx512_cos_sin(std::int64_t n, const double* position, const double* frequency,
+                    double amplitude, float* cos, float* sin);
 
 // The AVX2 NormForwardFn, also used by the AVX-512 and AMX tables (they have no own yet).
 void avx2_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,

@@ -62,7 +62,8 @@ const KernelTable& amx_kernels() {
                                  amx::forward_dense_any<HardwareTiles>,
                                  avx512_accumulate_product,
                                  avx512_kernels().permute_table_layout,
-                                 avx512_kernels().forward_norm_permute};
+                                 avx512_kernels().forward_norm_permute,
+                                 avx512_kernels().cos_sin};
   return table;
 }
 

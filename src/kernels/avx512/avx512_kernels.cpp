@@ -579,8 +579,8 @@ void forward_permute_any(const RotationData& r, const ForwardTile& b) {
 
 const KernelTable& avx512_kernels() {
   static const KernelTable table{
-      "avx512", forward_permute_any,      avx512_forward_dense, avx512_accumulate_product,
-      nullptr,  avx2_forward_norm_permute};
+      "avx512", forward_permute_any,       avx512_forward_dense, avx512_accumulate_product,
+      nullptr,  avx2_forward_norm_permute, avx512_cos_sin};
   return table;
 }
 

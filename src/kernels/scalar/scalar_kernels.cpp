@@ -152,9 +152,9 @@ void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n
 }
 
 const KernelTable& scalar_kernels() {
-  static const KernelTable table{"scalar",          forward_permute_any,
-                                 forward_dense_any, scalar_accumulate_product,
-                                 nullptr,           forward_norm_permute_any};
+  static const KernelTable table{
+      "scalar", forward_permute_any,      forward_dense_any, scalar_accumulate_product,
+      nullptr,  forward_norm_permute_any, scalar_cos_sin};
   return table;
 }
 

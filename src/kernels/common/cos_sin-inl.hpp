@@ -1,0 +1,104 @@
+// cos/sin of position × frequency, written once over a vector-traits type and compiled per ISA
+// (scalar: one double per "vector"; AVX2: 4; AVX-512: 8). Every ISA performs the same IEEE
+// double operations in the same order (explicit fma, no contraction: the kernel libraries build
+// with -ffp-contract=off), so the results agree bit for bit across ISAs.
+//
+// Why not libm or fp32: the angle of a token at position 10^6 is ~10^6 rad; formed in fp32 it
+// is off by ~0.03 rad before any cos is taken. Here the product is error-free (a double product
+// plus its fma residual), the reduction by π/2 uses a two-part π/2 (good to 2^-107), and the
+// polynomials run in double on |r| ≤ π/4, so each result is within ~2^-52 of the true value
+// before its one rounding to fp32 (amplitude applied in double first).
+//
+// The traits type V provides: kLanes; D (a vector of doubles); load(const double*), set(double),
+// add, sub, mul, fma(a, b, c) = a·b + c rounded once; sign_of_bit<B>(t): a vector whose sign bit
+// is bit B of t's bits (other bits arbitrary); select_by_sign(m, a, b): b where m's sign bit is
+// set, else a; flip_sign(x, m): x with its sign flipped where m's sign bit is set;
+// store_float(float*, D): kLanes floats, each rounded to nearest even.
+#pragma once
+
+#include <cstdint>
+
+namespace rome::kernels::cos_sin_common {
+
+// π/2 = kHalfPi1 + kHalfPi2 to about 2^-107 (the two leading doubles of π/2).
+constexpr double kHalfPi1 = 0x1.921fb54442d18p+0;
+constexpr double kHalfPi2 = 0x1.1a62633145c07p-54;
+constexpr double kTwoOverPi = 0x1.45f306dc9c883p-1;
+// Adding then subtracting 1.5·2^52 rounds |y| < 2^51 to the nearest integer (ties to even);
+// the sum's low mantissa bits hold that integer modulo 4.
+constexpr double kRoundMagic = 0x1.8p+52;
+
+// Taylor coefficients 1/n! (each correctly rounded; n! is exact in double up to 18!).
+template <class V>
+inline void sin_cos_reduced(const typename V::D& r, typename V::D& s, typename V::D& c) {
+  using D = typename V::D;
+  const D z = V::mul(r, r);
+  // sin r = r + r·z·(−1/3! + z/5! − z²/7! + ... + z⁶/15!)   (error < (π/4)^17/17! ≈ 5e-17)
+  D ps = V::set(1.0 / 1307674368000.0);
+  ps = V::fma(ps, z, V::set(-1.0 / 6227020800.0));
+  ps = V::fma(ps, z, V::set(1.0 / 39916800.0));
+  ps = V::fma(ps, z, V::set(-1.0 / 362880.0));
+  ps = V::fma(ps, z, V::set(1.0 / 5040.0));
+  ps = V::fma(ps, z, V::set(-1.0 / 120.0));
+  ps = V::fma(ps, z, V::set(1.0 / 6.0));
+  s = V::sub(r, V::mul(V::mul(r, z), ps));
+  // cos r = 1 − z/2 + z²·(1/4! − z/6! + ... + z⁶/16!)   (error < (π/4)^18/18! ≈ 2e-18)
+  D pc = V::set(1.0 / 20922789888000.0);
+  pc = V::fma(pc, z, V::set(-1.0 / 87178291200.0));
+  pc = V::fma(pc, z, V::set(1.0 / 479001600.0));
+  pc = V::fma(pc, z, V::set(-1.0 / 3628800.0));
+  pc = V::fma(pc, z, V::set(1.0 / 40320.0));
+  pc = V::fma(pc, z, V::set(-1.0 / 720.0));
+  pc = V::fma(pc, z, V::set(1.0 / 24.0));
+  c = V::fma(V::mul(z, z), pc, V::fma(z, V::set(-0.5), V::set(1.0)));
+}
+
+// One vector: angles position·frequency, exact product, reduced by π/2.
+template <class V>
+inline void cos_sin_vector(const typename V::D& p, const typename V::D& f,
+                           const typename V::D& amplitude, float* cos_out, float* sin_out) {
+  using D = typename V::D;
+  const D theta = V::mul(p, f);
+  const D theta_lo = V::fma(p, f, V::sub(V::set(0.0), theta));  // p·f − theta, exactly
+  const D t = V::add(V::mul(theta, V::set(kTwoOverPi)), V::set(kRoundMagic));
+  const D k = V::sub(t, V::set(kRoundMagic));
+  const D minus_k = V::sub(V::set(0.0), k);
+  D r = V::fma(minus_k, V::set(kHalfPi1), theta);
+  r = V::fma(minus_k, V::set(kHalfPi2), r);
+  r = V::add(r, theta_lo);
+  D s, c;
+  sin_cos_reduced<V>(r, s, c);
+  // Quadrant q = k mod 4: sin θ = (s, c, −s, −c)[q], cos θ = (c, −s, −c, s)[q].
+  const D odd = V::template sign_of_bit<0>(t), second = V::template sign_of_bit<1>(t);
+  const D sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
+  const D cos_q = V::flip_sign(V::flip_sign(V::select_by_sign(odd, c, s), odd), second);
+  V::store_float(cos_out, V::mul(cos_q, amplitude));
+  V::store_float(sin_out, V::mul(sin_q, amplitude));
+}
+
+// cos_out[i] = fp32(amplitude·cos(position[i]·frequency[i])), sin_out likewise, i < n.
+// |position[i]·frequency[i]| must be below 2^51·π/2 (the reduction's integer range).
+template <class V>
+void cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,
+             float* cos_out, float* sin_out) {
+  constexpr int W = V::kLanes;
+  const typename V::D amp = V::set(amplitude);
+  std::int64_t i = 0;
+  for (; i + W <= n; i += W)
+    cos_sin_vector<V>(V::load(position + i), V::load(frequency + i), amp, cos_out + i, sin_out + i);
+  if (i == n) return;
+  // The tail through padded buffers: the same operations on every lane.
+  double p[W] = {}, f[W] = {};
+  float c[W], s[W];
+  for (std::int64_t j = i; j < n; ++j) {
+    p[j - i] = position[j];
+    f[j - i] = frequency[j];
+  }
+  cos_sin_vector<V>(V::load(p), V::load(f), amp, c, s);
+  for (std::int64_t j = i; j < n; ++j) {
+    cos_out[j] = c[j - i];
+    sin_out[j] = s[j - i];
+  }
+}
+
+}  // namespace rome::kernels::cos_sin_common
