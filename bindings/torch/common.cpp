@@ -353,4 +353,31 @@ PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
   return p;
 }
 
+PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq, double amplitude,
+                                 const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes,
+                                 bool inverse) {
+  if (inv_freq.dim() != 1 || !at::isFloatingType(inv_freq.scalar_type()))
+    rome::fail(rome::Status::invalid_argument, "inv_freq",
+               "a 1-D floating tensor (one frequency per lane pair)",
+               std::string(c10::toString(inv_freq.scalar_type())) + " " + shape_of(inv_freq));
+  if (inv_freq.device() != positions.device())
+    rome::fail(rome::Status::invalid_argument, "inv_freq.device",
+               positions.device().str() + " (the device of positions)", inv_freq.device().str());
+  PreparedTables p;
+  const Tensor f = inv_freq.to(at::kDouble).contiguous();
+  p.tables.frequencies.assign(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+  if (p.tables.frequencies.empty())
+    rome::fail(rome::Status::invalid_argument, "inv_freq",
+               "at least one frequency (one per lane pair)", shape_of(inv_freq));
+  p.tables.amplitude = amplitude;
+  p.tables.inverse = inverse;
+  Tensor pos = positions;
+  const int64_t want = int64_t(x_sizes.size()) - 1 + (column_axis.empty() ? 0 : 1);
+  while (pos.dim() < want) pos = pos.unsqueeze(0);
+  p.positions = pos;
+  p.tables.positions = const_view(pos, "positions", true);
+  p.tables.column_axis.assign(column_axis.begin(), column_axis.end());
+  return p;
+}
+
 }  // namespace rome_torch

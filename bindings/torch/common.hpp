@@ -41,4 +41,9 @@ PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin, const OptTen
                               const std::string& width, const std::vector<int64_t>& column_axis,
                               c10::IntArrayRef x_sizes);
 
+// Table-free tables: positions (leading axes added as needed) and inv_freq read as doubles.
+PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq, double amplitude,
+                                 const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes,
+                                 bool inverse);
+
 }  // namespace rome_torch

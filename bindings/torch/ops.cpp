@@ -42,8 +42,10 @@ decltype(auto) guarded(Renames renames, F&& f) {
     const std::string& arg = e.argument();
     const std::string base = arg.substr(0, arg.find('.')), suffix = arg.substr(base.size());
     for (const auto& [from, to] : renames) {
-      if (base != from) continue;
-      const std::string old_prefix = "rome: " + arg, renamed = std::string(to) + suffix;
+      const bool whole = arg == from;  // "tables.frequencies" -> "inv_freq"
+      if (!whole && base != from) continue;
+      const std::string old_prefix = "rome: " + arg,
+                        renamed = std::string(to) + (whole ? std::string() : suffix);
       std::string message = e.what();
       if (message.rfind(old_prefix, 0) == 0)
         message = "rome: " + renamed + message.substr(old_prefix.size());
@@ -100,6 +102,13 @@ using RopeWithCacheSig = void(const Tensor&, const Tensor&, const Tensor&, const
 using RerotatePagedSig = void(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const Tensor&, c10::string_view, int64_t);
 using InterleavedSig = Tensor(const Tensor&, const Tensor&);
+using FromPositionsSig = std::tuple<Tensor, Tensor>(const Tensor&, const OptTensor&, const Tensor&,
+                                                    const Tensor&, c10::string_view,
+                                                    c10::IntArrayRef, int64_t, double,
+                                                    c10::IntArrayRef, bool);
+using FromPositionsInplaceSig = void(const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
+                                     c10::string_view, c10::IntArrayRef, int64_t, double,
+                                     c10::IntArrayRef, bool);
 using BackwardSig = std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor>(
     const Tensor&, const OptTensor&, const Tensor&, const OptTensor&, const Tensor&, const Tensor&,
     const OptTensor&, c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
@@ -510,6 +519,101 @@ Tensor interleaved_cpu(const Tensor& x, const Tensor& freqs_cis) {
 
 // Gradients of the general op for q (and k), summed over both for the shared tables/matrices.
 // Outputs not asked for by output_mask are empty [0] tensors.
+// ----------------------------------------------------------------------------------------------
+// Table-free RoPE: cos/sin from positions × inv_freq inside the kernel's token tiles.
+
+constexpr Renames kFromPositionsNames = {{"tables.frequencies", "inv_freq"},
+                                         {"tables.amplitude", "amplitude"},
+                                         {"tables.column_axis", "column_axis"},
+                                         {"dim", "rotary_dim"},
+                                         {"head_dim", "q"}};
+
+struct FromPositions {
+  std::optional<rome::Rotation> rotation;
+  PreparedTables tables;
+};
+
+FromPositions prepare_from_positions(const Tensor& q, const Tensor& positions,
+                                     const Tensor& inv_freq, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                     c10::IntArrayRef column_axis, bool inverse,
+                                     const char* q_name = "q") {
+  FromPositions p;
+  const int64_t hd = head_dim_of(q, q_name);
+  p.rotation = build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, std::nullopt,
+                              std::nullopt, "mat_b");
+  p.tables =
+      table_free_tables(positions, inv_freq, amplitude, to_vec(column_axis), q.sizes(), inverse);
+  return p;
+}
+
+std::tuple<Tensor, Tensor> rope_from_positions_cpu(const Tensor& q, const OptTensor& k,
+                                                   const Tensor& positions, const Tensor& inv_freq,
+                                                   c10::string_view rotation,
+                                                   c10::IntArrayRef blocks, int64_t rotary_dim,
+                                                   double amplitude, c10::IntArrayRef column_axis,
+                                                   bool inverse) {
+  return guarded(kFromPositionsNames, [&] {
+    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
+                                                   rotary_dim, amplitude, column_axis, inverse);
+    const Tensor qin = readable(q);
+    const Tensor qout = alloc_like(q);
+    rome::Operand oq{const_view(qin, "q", false), mutable_view(qout, "q_out")};
+    Tensor kin, kout;
+    rome::Operand ok;
+    if (has(k)) {
+      head_dim_of(*k, "k");
+      kin = readable(*k);
+      kout = alloc_like(*k);
+      ok = {const_view(kin, "k", false), mutable_view(kout, "k_out")};
+    }
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
+    return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
+  });
+}
+
+void rope_from_positions_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& positions,
+                                     const Tensor& inv_freq, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                     c10::IntArrayRef column_axis, bool inverse) {
+  guarded(kFromPositionsNames, [&] {
+    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
+                                                   rotary_dim, amplitude, column_axis, inverse);
+    const rome::TensorView qv = mutable_view(q, "q");
+    const rome::Operand oq{rome::as_const(qv), qv};
+    rome::Operand ok;
+    if (has(k)) {
+      head_dim_of(*k, "k");
+      const rome::TensorView kv = mutable_view(*k, "k");
+      ok = {rome::as_const(kv), kv};
+    }
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
+  });
+}
+
+// dq, dk: the transposed rotation of the gradients (rotation by −θ for every standard RoPE).
+std::tuple<Tensor, Tensor> rope_from_positions_backward_cpu(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& positions, const Tensor& inv_freq,
+    c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+    c10::IntArrayRef column_axis, bool inverse) {
+  return guarded(kFromPositionsNames, [&] {
+    const FromPositions p =
+        prepare_from_positions(grad_q, positions, inv_freq, rotation, blocks, rotary_dim, amplitude,
+                               column_axis, inverse, "grad");
+    auto run = [&](const Tensor& g) {
+      const Tensor gin = readable(g);
+      const Tensor dx = alloc_like(g);
+      rome::Gradients out;
+      out.dx = mutable_view(dx, "dx");
+      const rome::ConstTensorView gv = const_view(gin, "grad", false);
+      rome::rope_backward(*p.rotation, p.tables.tables, gv, gv, out, exec_options());
+      return dx;
+    };
+    const Tensor dq = run(grad_q);
+    return std::make_tuple(dq, has(grad_k) ? run(*grad_k) : empty_marker(grad_q));
+  });
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_cpu(
     const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
     const Tensor& cos, const Tensor& sin, const OptTensor& positions, c10::string_view rotation,
@@ -646,6 +750,20 @@ void rope_out_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const
                    const OptTensor& mat_a, const OptTensor& mat_b) {
   require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
   require_all_meta({{"q_out", &q_out}, {"k_out", opt(k_out)}});
+}
+
+std::tuple<Tensor, Tensor> rope_from_positions_meta(const Tensor& q, const OptTensor& k,
+                                                    const Tensor& positions, const Tensor& inv_freq,
+                                                    c10::string_view, c10::IntArrayRef, int64_t,
+                                                    double, c10::IntArrayRef, bool) {
+  require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
+  return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
+}
+
+void rope_from_positions_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& positions,
+                                      const Tensor& inv_freq, c10::string_view, c10::IntArrayRef,
+                                      int64_t, double, c10::IntArrayRef, bool) {
+  require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
 }
 
 Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
@@ -864,6 +982,68 @@ std::tuple<Tensor, Tensor> rope_autograd(const Tensor& q, const OptTensor& k, co
   return std::make_tuple(out[0], out[1]);
 }
 
+struct FromPositionsFunction : torch::autograd::Function<FromPositionsFunction> {
+  static variable_list forward(AutogradContext* ctx, const Tensor& q, const OptTensor& k,
+                               const Tensor& positions, const Tensor& inv_freq,
+                               std::string rotation, std::vector<int64_t> blocks,
+                               int64_t rotary_dim, double amplitude,
+                               std::vector<int64_t> column_axis, bool inverse) {
+    ROME_OP(op, "rome::rope_from_positions", FromPositionsSig);
+    ctx->saved_data["rotation"] = rotation;
+    ctx->saved_data["blocks"] = blocks;
+    ctx->saved_data["rotary_dim"] = rotary_dim;
+    ctx->saved_data["amplitude"] = amplitude;
+    ctx->saved_data["column_axis"] = column_axis;
+    ctx->saved_data["inverse"] = inverse;
+    ctx->saved_data["has_k"] = has(k);
+    ctx->save_for_backward({positions, inv_freq});
+    at::AutoDispatchBelowADInplaceOrView guard;
+    auto [yq, yk] = op.call(q, k, positions, inv_freq, rotation, blocks, rotary_dim, amplitude,
+                            column_axis, inverse);
+    if (!has(k)) ctx->mark_non_differentiable({yk});
+    return {yq, yk};
+  }
+
+  static variable_list backward(AutogradContext* ctx, variable_list grads) {
+    ROME_OP(op, "rome::_rope_from_positions_backward", FromPositionsSig);
+    const auto saved = ctx->get_saved_variables();
+    const bool has_k = ctx->saved_data["has_k"].toBool();
+    const OptTensor gk = has_k ? OptTensor(grads[1]) : std::nullopt;
+    auto [dq, dk] =
+        op.call(grads[0], gk, saved[0], saved[1], ctx->saved_data["rotation"].toStringRef(),
+                ctx->saved_data["blocks"].toIntVector(), ctx->saved_data["rotary_dim"].toInt(),
+                ctx->saved_data["amplitude"].toDouble(),
+                ctx->saved_data["column_axis"].toIntVector(), ctx->saved_data["inverse"].toBool());
+    return {dq,       has_k ? dk : Tensor(),
+            Tensor(), Tensor(),
+            Tensor(), Tensor(),
+            Tensor(), Tensor(),
+            Tensor(), Tensor()};
+  }
+};
+
+std::tuple<Tensor, Tensor> rope_from_positions_autograd(
+    const Tensor& q, const OptTensor& k, const Tensor& positions, const Tensor& inv_freq,
+    c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+    c10::IntArrayRef column_axis, bool inverse) {
+  if (requires_grad(inv_freq))
+    guarded([&] {
+      rome::fail(rome::Status::unsupported, "inv_freq",
+                 "a tensor that does not require grad (no gradient flows to the frequencies)",
+                 "requires_grad=True");
+    });
+  if (!grad_needed({q, k})) {
+    ROME_OP(op, "rome::rope_from_positions", FromPositionsSig);
+    at::AutoDispatchBelowADInplaceOrView guard;
+    return op.call(q, k, positions, inv_freq, rotation, blocks, rotary_dim, amplitude, column_axis,
+                   inverse);
+  }
+  auto out =
+      FromPositionsFunction::apply(q, k, positions, inv_freq, std::string(rotation), to_vec(blocks),
+                                   rotary_dim, amplitude, to_vec(column_axis), inverse);
+  return std::make_tuple(out[0], out[1]);
+}
+
 struct RopeMatrixFunction : torch::autograd::Function<RopeMatrixFunction> {
   static Tensor forward(AutogradContext* ctx, const Tensor& x, const Tensor& mat, const Tensor& sin,
                         const Tensor& cos) {
@@ -947,6 +1127,17 @@ void inference_only(const char* op,
                        "or call it under torch.no_grad() / torch.inference_mode())",
                    "requires_grad=True");
   });
+}
+
+void rope_from_positions_inplace_autograd(const Tensor& q, const OptTensor& k,
+                                          const Tensor& positions, const Tensor& inv_freq,
+                                          c10::string_view rotation, c10::IntArrayRef blocks,
+                                          int64_t rotary_dim, double amplitude,
+                                          c10::IntArrayRef column_axis, bool inverse) {
+  ROME_OP(op, "rome::rope_from_positions_", FromPositionsInplaceSig);
+  inference_only("rope_from_positions_", {{"q", q}, {"k", k}, {"inv_freq", inv_freq}});
+  at::AutoDispatchBelowAutograd guard;
+  op.call(q, k, positions, inv_freq, rotation, blocks, rotary_dim, amplitude, column_axis, inverse);
 }
 
 void rope_inplace_autograd(const Tensor& q, const OptTensor& k, const Tensor& cos,
@@ -1129,6 +1320,20 @@ void rotary_embedding_with_cache_view(const Tensor& positions, const Tensor& que
   bump(value_cache);
 }
 
+void rope_from_positions_inplace_view(const Tensor& q, const OptTensor& k, const Tensor& positions,
+                                      const Tensor& inv_freq, c10::string_view rotation,
+                                      c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                      c10::IntArrayRef column_axis, bool inverse) {
+  ROME_OP(op, "rome::rope_from_positions_", FromPositionsInplaceSig);
+  {
+    at::AutoDispatchBelowADInplaceOrView guard;
+    op.call(q, k, positions, inv_freq, rotation, blocks, rotary_dim, amplitude, column_axis,
+            inverse);
+  }
+  bump(q);
+  bump(k);
+}
+
 void rerotate_paged_view(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
                          const Tensor& block_table, const Tensor& seq_lens,
                          c10::string_view rotation, int64_t rope_dim_offset) {
@@ -1184,6 +1389,20 @@ TORCH_LIBRARY(rome, m) {
       "rerotate_paged_(Tensor(a!) key_cache, Tensor cos, Tensor sin, Tensor block_table, "
       "Tensor seq_lens, str rotation=\"half\", int rope_dim_offset=0) -> ()");
   m.def("apply_rotary_emb_interleaved(Tensor x, Tensor freqs_cis) -> Tensor");
+  // Table-free RoPE: cos/sin of positions × inv_freq (one frequency per lane pair, pairs
+  // numbered by their lower lane, block by block), exact at any position; no table is built.
+  m.def(
+      "rope_from_positions(Tensor q, Tensor? k, Tensor positions, Tensor inv_freq, "
+      "str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, float amplitude=1.0, "
+      "int[] column_axis=[], bool inverse=False) -> (Tensor, Tensor)");
+  m.def(
+      "rope_from_positions_(Tensor(a!) q, Tensor(b!)? k, Tensor positions, Tensor inv_freq, "
+      "str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, float amplitude=1.0, "
+      "int[] column_axis=[], bool inverse=False) -> ()");
+  m.def(
+      "_rope_from_positions_backward(Tensor grad_q, Tensor? grad_k, Tensor positions, "
+      "Tensor inv_freq, str rotation, int[] blocks, int rotary_dim, float amplitude, "
+      "int[] column_axis, bool inverse) -> (Tensor, Tensor)");
   // Backward of every op above (internal): grads of (q, k, cos, sin, mat_a, mat_b); outputs not
   // in output_mask are empty [0] tensors.
   m.def(
@@ -1205,6 +1424,9 @@ TORCH_LIBRARY_IMPL(rome, CPU, m) {
   m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_cpu);
   m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
   m.impl("_rope_backward", rope_backward_cpu);
+  m.impl("rope_from_positions", rope_from_positions_cpu);
+  m.impl("rope_from_positions_", rope_from_positions_inplace_cpu);
+  m.impl("_rope_from_positions_backward", rope_from_positions_backward_cpu);
 }
 
 TORCH_LIBRARY_IMPL(rome, Meta, m) {
@@ -1219,6 +1441,9 @@ TORCH_LIBRARY_IMPL(rome, Meta, m) {
   m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_meta);
   m.impl("apply_rotary_emb_interleaved", interleaved_meta);
   m.impl("_rope_backward", rope_backward_meta);
+  m.impl("rope_from_positions", rope_from_positions_meta);
+  m.impl("rope_from_positions_", rope_from_positions_inplace_meta);
+  m.impl("_rope_from_positions_backward", rope_from_positions_meta);
 }
 
 TORCH_LIBRARY_IMPL(rome, Autograd, m) {
@@ -1232,6 +1457,8 @@ TORCH_LIBRARY_IMPL(rome, Autograd, m) {
   m.impl("fused_qk_norm_rope", fused_qk_norm_rope_autograd);
   m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_autograd);
   m.impl("apply_rotary_emb_interleaved", interleaved_autograd);
+  m.impl("rope_from_positions", rope_from_positions_autograd);
+  m.impl("rope_from_positions_", rope_from_positions_inplace_autograd);
 }
 
 TORCH_LIBRARY_IMPL(rome, ADInplaceOrView, m) {
@@ -1239,6 +1466,7 @@ TORCH_LIBRARY_IMPL(rome, ADInplaceOrView, m) {
   m.impl("rope_", rope_inplace_view);
   m.impl("rope_out", rope_out_view);
   m.impl("rotary_embedding", rotary_embedding_view);
+  m.impl("rope_from_positions_", rope_from_positions_inplace_view);
   m.impl("rerotate_paged_", rerotate_paged_view);
   m.impl("fused_qk_norm_rope", fused_qk_norm_rope_view);
   m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_view);

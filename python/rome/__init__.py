@@ -31,6 +31,8 @@ from .ops import (
     rope_,
     rope_matrix,
     rope_matrix_,
+    rope_from_positions,
+    rope_from_positions_,
     rotary_embedding,
 )
 
@@ -88,6 +90,8 @@ __all__ = [
     "rope_",
     "rope_matrix",
     "rope_matrix_",
+    "rope_from_positions",
+    "rope_from_positions_",
     "rotary_embedding",
     "set_max_isa",
     "set_num_threads",

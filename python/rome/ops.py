@@ -28,6 +28,8 @@ __all__ = [
     "rope_",
     "rotary_embedding",
     "apply_rotary_emb_interleaved",
+    "rope_from_positions",
+    "rope_from_positions_",
 ]
 
 
@@ -248,3 +250,63 @@ def apply_rotary_emb_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> to
         freqs_cis.
     """
     return torch.ops.rome.apply_rotary_emb_interleaved(x, freqs_cis)
+
+
+def rope_from_positions(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotation: str = "half",
+    blocks: Optional[Sequence[int]] = None,
+    rotary_dim: int = -1,
+    amplitude: float = 1.0,
+    column_axis: Optional[Sequence[int]] = None,
+    inverse: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Table-free RoPE: no cos/sin table anywhere. Each token's cos/sin are computed inside the
+    kernel from ``positions × inv_freq`` (the angle without rounding error, reduced by π/2 in
+    double, cos/sin in double, one rounding to fp32) and applied to every head of q and k.
+    Exact to fp32 at any position below 2^50 / max(inv_freq); fp32 tables built the usual way
+    are off by ~4e-2 at position 10^6.
+
+    Args:
+        q, k: as for :func:`rope` (k may be None; GQA k with fewer heads).
+        positions: int32/int64, broadcastable to x's shape without its last axis, leading axes
+            optional: ``[S]`` for BNSD ``[B, H, S, D]``, ``[B, S, 1]`` for BSND, ``[T, 1]`` for
+            packed ``[T, H, D]``; with ``column_axis`` one more trailing axis (t, h, w, ...).
+        inv_freq: ``rotary_dim/2`` frequencies (any float dtype; values taken exactly). Pair i
+            is lanes i and i + rotary_dim/2 for 'half', 2i and 2i + 1 for 'interleave', the
+            pairs of each block in turn with ``blocks``.
+        rotation, blocks, rotary_dim: as for :func:`rope` ('dense' is not table-free).
+        amplitude: multiplies cos and sin (YaRN / LongRoPE attention scaling).
+        column_axis: per frequency, the axis of ``positions``' last dimension that drives it
+            (MRoPE, multi-axis grids).
+        inverse: rotate by −θ.
+
+    Returns ``(q_out, k_out)``; ``k_out`` is an empty tensor when ``k`` is None. Autograd flows
+    to q and k (the gradient is the transposed rotation), not to ``inv_freq``.
+    """
+    return torch.ops.rome.rope_from_positions(
+        q, k, positions, inv_freq, rotation, _int_list(blocks), int(rotary_dim), float(amplitude),
+        _int_list(column_axis), bool(inverse),
+    )
+
+
+def rope_from_positions_(
+    q: torch.Tensor,
+    k: Optional[torch.Tensor],
+    positions: torch.Tensor,
+    inv_freq: torch.Tensor,
+    rotation: str = "half",
+    blocks: Optional[Sequence[int]] = None,
+    rotary_dim: int = -1,
+    amplitude: float = 1.0,
+    column_axis: Optional[Sequence[int]] = None,
+    inverse: bool = False,
+) -> None:
+    """In-place :func:`rope_from_positions` (inference only)."""
+    torch.ops.rome.rope_from_positions_(
+        q, k, positions, inv_freq, rotation, _int_list(blocks), int(rotary_dim), float(amplitude),
+        _int_list(column_axis), bool(inverse),
+    )

@@ -1,0 +1,285 @@
+"""Table-free RoPE (rope_from_positions, rome.tables.cos_sin): against an fp64 reference at
+positions up to 10^7 for every rotation, dtype and layout, in place and out of place, on every
+ISA present; autograd; opcheck and torch.compile; bad input; the 2-rank context-parallel check."""
+
+import math
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.library import opcheck
+
+import rome
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BIG = [0, 1, 4095, 131071, 1000003, 10000019]
+
+
+def llama_inv_freq(rd, theta=500000.0):
+    return 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+
+
+def lane_frequency(rotation, rd, blocks=()):
+    """Frequency index of each rotated lane, written out from the documented pairing."""
+    if blocks:
+        out, base = [], 0
+        for b in blocks:
+            out += [base + i for i in lane_frequency(rotation, b)]
+            base += b // 2
+        return out
+    if rotation in ("half", "interleave_half"):
+        return [j % (rd // 2) for j in range(rd)]
+    if rotation == "interleave":
+        return [j // 2 for j in range(rd)]
+    if rotation == "quarter":
+        return [j // (rd // 2) * (rd // 4) + j % (rd // 4) for j in range(rd)]
+    raise AssertionError(rotation)
+
+
+def rotate_b(x, rotation, blocks=()):
+    """x·B (after x·A) in float64 over the rotated lanes; returns (xa, xb)."""
+    if blocks:
+        pieces, o = [], 0
+        for b in blocks:
+            pieces.append(rotate_b(x[..., o:o + b], rotation))
+            o += b
+        return torch.cat([p[0] for p in pieces], -1), torch.cat([p[1] for p in pieces], -1)
+    if rotation == "half":
+        x1, x2 = x.chunk(2, -1)
+        return x, torch.cat([-x2, x1], -1)
+    if rotation == "interleave":
+        xb = torch.stack([-x[..., 1::2], x[..., 0::2]], -1).flatten(-2)
+        return x, xb
+    if rotation == "quarter":
+        h = x.shape[-1] // 2
+        return rotate_b(x, "half", (h, h))
+    if rotation == "interleave_half":
+        xa = torch.cat([x[..., 0::2], x[..., 1::2]], -1)
+        return rotate_b(xa, "half")
+    raise AssertionError(rotation)
+
+
+def reference(x, positions_b, inv_freq, rotation, rd, blocks=(), amplitude=1.0, inverse=False):
+    """positions_b: positions broadcast to x.shape[:-1] (int64)."""
+    lanes = torch.tensor(lane_frequency(rotation, rd, blocks))
+    angle = positions_b.double()[..., None] * inv_freq.double()[lanes]
+    c, s = amplitude * torch.cos(angle), amplitude * torch.sin(angle) * (-1 if inverse else 1)
+    xd = x.double()
+    xa, xb = rotate_b(xd[..., :rd], rotation, blocks)
+    return torch.cat([xa * c + xb * s, xd[..., rd:]], -1)
+
+
+def close(out, ref, dtype):
+    # One ulp of the output dtype plus the reference's own angle rounding (~1e-9 at 10^7).
+    ulp = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}[dtype]
+    tol = 1.01 * ulp * ref.abs().clamp_min(2.0 ** -6) + 1e-6
+    assert ((out.double() - ref).abs() <= tol).all(), (out.double() - ref).abs().max()
+
+
+ROTATIONS = [("half", (), 64), ("interleave", (), 64), ("quarter", (), 64),
+             ("half", (22, 22, 20), 64), ("interleave_half", (), 64), ("half", (), 32)]
+LAYOUTS = ["bnsd", "bsnd", "packed"]
+
+
+def make(layout, dtype, D, S=9, B=2, Hq=4, Hk=2):
+    g = torch.Generator().manual_seed(1)
+    pos = torch.tensor(BIG + [7, 99, 12345])[:S] if S <= 9 else torch.randint(0, 10**7, (S,))
+    if layout == "bnsd":
+        q = torch.randn(B, Hq, S, D, generator=g).to(dtype)
+        k = torch.randn(B, Hk, S, D, generator=g).to(dtype)
+        p, pq, pk = pos, pos.expand(B, Hq, S), pos.expand(B, Hk, S)
+    elif layout == "bsnd":
+        q = torch.randn(B, S, Hq, D, generator=g).to(dtype)
+        k = torch.randn(B, S, Hk, D, generator=g).to(dtype)
+        p = torch.stack([pos, pos + 3])[:, :, None]
+        pq, pk = p.expand(B, S, Hq), p.expand(B, S, Hk)
+    else:
+        q = torch.randn(S, Hq, D, generator=g).to(dtype)
+        k = torch.randn(S, Hk, D, generator=g).to(dtype)
+        p = pos[:, None]
+        pq, pk = p.expand(S, Hq), p.expand(S, Hk)
+    return q, k, p, pq, pk
+
+
+@pytest.mark.parametrize("rotation,blocks,rd", ROTATIONS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_matches_fp64_reference(isa, rotation, blocks, rd, layout, dtype):
+    D = 80
+    q, k, p, pq, pk = make(layout, dtype, D)
+    inv = llama_inv_freq(rd)
+    args = dict(rotation=rotation, blocks=blocks, rotary_dim=rd, amplitude=1.25)
+    yq, yk = rome.ops.rope_from_positions(q, k, p, inv, **args)
+    close(yq, reference(q, pq, inv, rotation, rd, blocks, 1.25), dtype)
+    close(yk, reference(k, pk, inv, rotation, rd, blocks, 1.25), dtype)
+    # In place: the same bits.
+    q2, k2 = q.clone(), k.clone()
+    rome.ops.rope_from_positions_(q2, k2, p, inv, **args)
+    assert torch.equal(q2, yq) and torch.equal(k2, yk)
+    # inverse undoes (up to rounding) and matches the reference with −θ.
+    zq, _ = rome.ops.rope_from_positions(q, None, p, inv, inverse=True, **args)
+    close(zq, reference(q, pq, inv, rotation, rd, blocks, 1.25, inverse=True), dtype)
+
+
+def test_same_bits_on_every_isa():
+    q, k, p, _, _ = make("bsnd", torch.bfloat16, 128)
+    inv = llama_inv_freq(128)
+    results = []
+    for name in rome.ISAS:
+        if rome.set_max_isa(name) != name:
+            continue
+        results.append(rome.ops.rope_from_positions(q, k, p, inv))
+    rome.set_max_isa("amx")
+    for yq, yk in results[1:]:
+        assert torch.equal(yq, results[0][0]) and torch.equal(yk, results[0][1])
+
+
+def test_strided_views_and_fp32_inv_freq(isa):
+    qkv = torch.randn(12, 3 * 4 * 64)
+    q = qkv[:, :256].view(12, 4, 64)  # row-strided slices of a fused buffer
+    k = qkv[:, 256:512].view(12, 4, 64)
+    pos = torch.arange(12, dtype=torch.int32) * 1000003
+    inv = llama_inv_freq(64).float()
+    want_q = reference(q, pos[:, None].expand(12, 4).long(), inv, "half", 64)
+    want_k = reference(k, pos[:, None].expand(12, 4).long(), inv, "half", 64)
+    rome.ops.rope_from_positions_(q, k, pos[:, None], inv)
+    close(q, want_q, torch.float32)
+    close(k, want_k, torch.float32)
+
+
+def test_mrope_column_axis(isa):
+    sections = [8, 12, 12]
+    column_axis = rome.tables.mrope_frequency_axis(sections)
+    x = torch.randn(10, 4, 64)
+    pos = torch.randint(0, 5 * 10**6, (10, 1, 3))
+    inv = llama_inv_freq(64)
+    y, _ = rome.ops.rope_from_positions(x, None, pos, inv, column_axis=column_axis)
+    per_lane = torch.tensor([column_axis[f] for f in lane_frequency("half", 64)])
+    angle = pos[:, :, per_lane].double() * inv[lane_frequency("half", 64)]
+    xa, xb = rotate_b(x.double(), "half")
+    close(y, xa * torch.cos(angle) + xb * torch.sin(angle), torch.float32)
+
+
+@pytest.mark.parametrize("layout", ["half", "pairs"])
+def test_cos_sin_builder_is_exact_where_fp32_tables_are_not(isa, layout):
+    inv = llama_inv_freq(128)
+    pos = torch.tensor(BIG)
+    c, s = rome.tables.cos_sin(pos, inv, layout=layout)
+    assert c.shape == (len(BIG), 128) and c.dtype == torch.float32
+    lanes = lane_frequency("half" if layout == "half" else "interleave", 128)
+    angle = pos.double()[:, None] * inv[lanes]
+    assert (c.double() - torch.cos(angle)).abs().max() <= 3e-7
+    assert (s.double() - torch.sin(angle)).abs().max() <= 3e-7
+    # transformers' way: fp32 inv_freq @ positions, then cos in fp32.
+    fp32 = (pos.float()[:, None] * inv.float()[None])
+    assert (torch.cos(fp32).double() - torch.cos(pos.double()[:, None] * inv.float().double())
+            ).abs().max() > 1e-2
+    c2, s2 = rome.tables.cos_sin(pos.view(2, 3), inv, amplitude=0.5, dtype=torch.bfloat16)
+    assert c2.shape == (2, 3, 128) and c2.dtype == torch.bfloat16
+
+
+def test_autograd_is_the_transposed_rotation(isa):
+    for rotation in ("half", "interleave", "interleave_half"):
+        x = torch.randn(2, 3, 5, 32, requires_grad=True)
+        g = torch.randn(2, 3, 5, 32)
+        pos = torch.arange(5) * 999983
+        inv = llama_inv_freq(32)
+        y, _ = rome.ops.rope_from_positions(x, None, pos, inv, rotation=rotation, amplitude=0.75)
+        y.backward(g)
+        # dx = g·Rᵀ: <y(x), g> is linear in x, so autograd of the fp64 reference gives it.
+        xd = x.detach().double().requires_grad_()
+        ref = reference(xd, pos.expand(2, 3, 5), inv, rotation, 32, amplitude=0.75)
+        ref.backward(g.double())
+        assert torch.allclose(x.grad.double(), xd.grad, atol=1e-6), rotation
+
+
+def test_opcheck_and_compile(isa):
+    q, k, p, _, _ = make("bsnd", torch.float32, 64)
+    inv = llama_inv_freq(64)
+    opcheck(torch.ops.rome.rope_from_positions.default,
+            (q, k, p, inv, "half", [], -1, 1.5, [], False))
+    opcheck(torch.ops.rome.rope_from_positions_.default,
+            (q.clone(), k.clone(), p, llama_inv_freq(32), "interleave", [], 32, 1.0, [], True))
+
+    def step(q, k, p):
+        return rome.ops.rope_from_positions(q, k, p, inv)
+
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    a, b = compiled(q, k, p)
+    c, d = step(q, k, p)
+    assert torch.equal(a, c) and torch.equal(b, d)
+
+
+def test_bad_input_raises_and_writes_nothing(isa):
+    q = torch.randn(2, 4, 6, 64)
+    q0 = q.clone()
+    inv = llama_inv_freq(64)
+    pos = torch.arange(6)
+    cases = [
+        (dict(inv_freq=inv[:10]), "inv_freq"),
+        (dict(inv_freq=torch.where(torch.arange(32) == 3, math.nan, inv)), "inv_freq"),
+        (dict(inv_freq=torch.where(torch.arange(32) == 3, math.inf, inv)), "inv_freq"),
+        (dict(inv_freq=inv.view(4, 8)), "inv_freq"),
+        (dict(positions=pos.float()), "positions.dtype"),
+        (dict(positions=torch.arange(7)), "positions"),
+        (dict(positions=torch.full((6,), 2**51)), "positions"),  # IndexError, as off a cache
+        (dict(amplitude=math.inf), "amplitude"),
+        (dict(rotation="dense"), "mat_b"),
+        (dict(column_axis=[7] * 32), "column_axis"),  # positions [6] read as 6 axes: 7 is past them
+        (dict(column_axis=[0] * 31), "column_axis"),
+    ]
+    for change, name in cases:
+        args = dict(positions=pos, inv_freq=inv)
+        args.update(change)
+        p, f = args.pop("positions"), args.pop("inv_freq")
+        with pytest.raises((ValueError, IndexError), match=f"rome: {name}"):
+            rome.ops.rope_from_positions_(q, None, p, f, **args)
+        assert torch.equal(q, q0), change
+
+
+def _rank_main(rank, world, port, result_path):
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.manual_seed(0)
+        S, shard = 64, 32
+        q = torch.randn(1, 8, S, 128).to(torch.bfloat16)
+        k = torch.randn(1, 2, S, 128).to(torch.bfloat16)
+        positions = torch.arange(S) + 10**7  # one long sequence, split along S
+        inv = llama_inv_freq(128)
+        lo = rank * shard
+        q_shard = q[:, :, lo:lo + shard].contiguous()
+        k_shard = k[:, :, lo:lo + shard].contiguous()
+        rome.ops.rope_from_positions_(q_shard, k_shard, positions[lo:lo + shard], inv)
+        threads = rome.last_call_threads()
+        gathered_q = [torch.empty_like(q_shard) for _ in range(world)]
+        gathered_k = [torch.empty_like(k_shard) for _ in range(world)]
+        dist.all_gather(gathered_q, q_shard)
+        dist.all_gather(gathered_k, k_shard)
+        t = torch.tensor([threads])
+        all_threads = [torch.empty_like(t) for _ in range(world)]
+        dist.all_gather(all_threads, t)
+        if rank == 0:
+            whole_q, whole_k = rome.ops.rope_from_positions(q, k, positions, inv)
+            torch.save(dict(same_q=torch.equal(torch.cat(gathered_q, 2), whole_q),
+                            same_k=torch.equal(torch.cat(gathered_k, 2), whole_k),
+                            threads=[int(x) for x in all_threads]), result_path)
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_context_parallel_match_one_process(tmp_path):
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    result = tmp_path / "result.pt"
+    mp.start_processes(_rank_main, args=(2, port, str(result)), nprocs=2, join=True,
+                       start_method="spawn")
+    out = torch.load(result)
+    assert out["same_q"] and out["same_k"]
+    assert out["threads"] == [1, 1]
