@@ -1,0 +1,133 @@
+"""Table-free RoPE: precision of cos/sin at long positions, and speed against the table path.
+
+Precision: max |error| of cos and sin (θ = 500000, D = 128, as Llama 3.1) against float64
+(whose own angle error is < 2e-9 at 10^7) for transformers' rotary-module formula (fp32
+``inv_freq @ position_ids``, then fp32 cos/sin; reproduced here, transformers not imported),
+vLLM's ``_compute_cos_sin_cache`` formula (fp32 ``einsum(t, inv_freq)``; only the rows measured
+are built), RoME's table builders (``rome.tables.rope_table``, math in double) and RoME table-free
+(``rome.tables.cos_sin``: the kernel of ``rope_from_positions``).
+
+Speed (same process, same threads, medians): the seed tensor x [1, 24, S, 128] bf16, half, in
+place, with a precomputed fp32 table [S, 128] (``rope_``) and table-free (``rope_from_positions_``
+with positions ``arange(S)``), against a copy of x; and one Llama-3.1-8B decode step (q [1, 32,
+1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways. Left out: building the table
+(transformers rebuilds it every forward, vLLM once at start-up), allocation (in place), thread
+start-up (pools warm).
+"""
+
+import statistics
+import time
+from typing import Callable, Dict
+
+import torch
+
+import rome
+
+THETA = 500000.0
+POSITIONS = [4096, 131072, 1048576, 10485760]
+
+
+def _inv_freq_fp64(dim: int) -> torch.Tensor:
+    return 1.0 / THETA ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+
+
+def _errors(pos: torch.Tensor, dim: int = 128) -> Dict[str, float]:
+    inv64 = _inv_freq_fp64(dim)
+    angle = pos.double()[:, None] * inv64[None]
+    ref_c, ref_s = torch.cos(angle), torch.sin(angle)
+
+    def err(c, s):
+        c, s = c[:, : dim // 2].double(), s[:, : dim // 2].double()
+        return max((c - ref_c).abs().max().item(), (s - ref_s).abs().max().item())
+
+    # transformers (modeling_rope_utils default + LlamaRotaryEmbedding.forward): inv_freq in fp32
+    # from an int64 arange, then inv_freq @ position_ids in fp32, cos/sin in fp32.
+    inv32 = 1.0 / (THETA ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    freqs = (inv32[None, :, None] @ pos.float()[None, None, :]).transpose(1, 2)[0]
+    out = {"transformers": err(freqs.cos(), freqs.sin())}
+    # vLLM RotaryEmbedding._compute_cos_sin_cache: fp32 t ⊗ inv_freq (einsum), cos/sin in fp32.
+    inv_v = 1.0 / (THETA ** (torch.arange(0, dim, 2, dtype=torch.float) / dim))
+    f = torch.einsum("i,j -> ij", pos.float(), inv_v)
+    out["vllm"] = err(f.cos(), f.sin())
+    c, s = rome.tables.rope_table(pos.tolist(), dim, theta=THETA)
+    out["rome_tables"] = err(c, s)
+    c, s = rome.tables.cos_sin(pos, inv64)
+    out["rome_table_free"] = err(c, s)
+    return out
+
+
+def _median_ms(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
+    fn()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times) * 1e3
+
+
+def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None] = print) -> Dict:
+    progress("table-free: precision")
+    precision = [dict(position=p - 1, **_errors(torch.tensor([p - 1]))) for p in POSITIONS]
+    S = 2048 if quick else 28800
+    samples = 3 if quick else 7
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 24, S, 128, generator=g).bfloat16()
+    y = torch.empty_like(x)
+    inv = _inv_freq_fp64(128)
+    positions = torch.arange(S)
+    cos, sin = rome.tables.rope_table(S, 128, theta=THETA)
+    q1 = torch.randn(1, 32, 1, 128, generator=g).bfloat16()
+    k1 = torch.randn(1, 8, 1, 128, generator=g).bfloat16()
+    p1 = torch.tensor([1000000])
+    c1, s1 = rome.tables.cos_sin(p1, inv)
+    saved = torch.get_num_threads()
+    speed = []
+    try:
+        with torch.inference_mode():
+            for threads in threads_list:
+                torch.set_num_threads(threads)
+                progress(f"table-free: seed tensor S={S} and a decode step, {threads} thread(s)")
+                row = {"threads": threads}
+                row["copy"] = _median_ms(lambda: y.copy_(x), samples)
+                row["table"] = _median_ms(lambda: torch.ops.rome.rope_(x, None, cos, sin), samples)
+                row["table_free"] = _median_ms(
+                    lambda: torch.ops.rome.rope_from_positions_(x, None, positions, inv), samples)
+                row["decode_table_us"] = 1e3 * _median_ms(
+                    lambda: torch.ops.rome.rope_(q1, k1, c1, s1), samples, inner=500)
+                row["decode_table_free_us"] = 1e3 * _median_ms(
+                    lambda: torch.ops.rome.rope_from_positions_(q1, k1, p1, inv), samples,
+                    inner=500)
+                speed.append(row)
+    finally:
+        torch.set_num_threads(saved)
+    return {"precision": precision, "speed": speed, "seq": S, "isa": rome.active_isa()}
+
+
+def markdown(res: Dict) -> str:
+    lines = [
+        "### Table-free RoPE: cos/sin precision (max |error| vs float64, θ = 500000, D = 128)",
+        "",
+        "| position | transformers' rotary module (fp32) | vLLM cos_sin_cache (fp32) | "
+        "RoME table builders | RoME table-free |",
+        "|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["precision"]:
+        lines.append(f"| {r['position']} | {r['transformers']:.1e} | {r['vllm']:.1e} | "
+                     f"{r['rome_tables']:.1e} | {r['rome_table_free']:.1e} |")
+    lines += [
+        "",
+        f"### Table-free RoPE: speed ({res['isa']}; x [1, 24, {res['seq']}, 128] bf16 half in place; "
+        "decode: q [1, 32, 1, 128] + k [1, 8, 1, 128] bf16)",
+        "",
+        "| threads | copy ms | fp32 table ms | table-free ms | table-free / table | "
+        "table-free / copy | decode, table µs | decode, table-free µs |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in res["speed"]:
+        lines.append(
+            f"| {r['threads']} | {r['copy']:.2f} | {r['table']:.2f} | {r['table_free']:.2f} | "
+            f"{r['table_free'] / r['table']:.2f}x | {r['table_free'] / r['copy']:.2f}x | "
+            f"{r['decode_table_us']:.1f} | {r['decode_table_free_us']:.1f} |")
+    return "\n".join(lines) + "\n"
