@@ -23,6 +23,7 @@ from typing import Optional, Tuple
 import torch
 
 from . import ops
+from . import tables as rome_tables
 
 __all__ = ["RotaryEmbedding", "fused_qk_norm_rope", "rotary_embedding",
            "rotary_embedding_with_cache"]
@@ -57,10 +58,15 @@ class RotaryEmbedding(torch.nn.Module):
         base: theta.
         is_neox_style: NeoX rotate_half (True) or GPT-J pairs (False).
         dtype: dtype of the cache (vLLM: the model's dtype).
+        table_free: keep no cache: each call computes its tokens' cos/sin from
+            ``positions × inv_freq`` inside the kernel (:func:`rome.ops.rope_from_positions`),
+            exact to fp32 at any position (vLLM's fp32 cache is off by ~3e-2 at 10^6). The
+            frequencies are vLLM's own (``inv_freq``, fp32 values taken exactly); positions are
+            not limited by ``max_position_embeddings``.
 
-    The buffer ``cos_sin_cache`` [max_position_embeddings, rotary_dim] is computed exactly as
-    vLLM computes it (fp32 ``einsum`` of positions and inverse frequencies, then ``cat(cos,
-    sin)``, cast to ``dtype``).
+    Otherwise the buffer ``cos_sin_cache`` [max_position_embeddings, rotary_dim] is computed
+    exactly as vLLM computes it (fp32 ``einsum`` of positions and inverse frequencies, then
+    ``cat(cos, sin)``, cast to ``dtype``).
     """
 
     def __init__(
@@ -71,6 +77,7 @@ class RotaryEmbedding(torch.nn.Module):
         base: float,
         is_neox_style: bool,
         dtype: torch.dtype,
+        table_free: bool = False,
     ) -> None:
         super().__init__()
         self.head_size = int(head_size)
@@ -79,9 +86,14 @@ class RotaryEmbedding(torch.nn.Module):
         self.base = base
         self.is_neox_style = bool(is_neox_style)
         self.dtype = dtype
-        cache = self._compute_cos_sin_cache().to(dtype)
-        self.cos_sin_cache: torch.Tensor
-        self.register_buffer("cos_sin_cache", cache, persistent=False)
+        self.table_free = bool(table_free)
+        self.cos_sin_cache: Optional[torch.Tensor]
+        if self.table_free:
+            self.register_buffer("inv_freq", self._compute_inv_freq(base), persistent=False)
+            self.cos_sin_cache = None
+        else:
+            cache = self._compute_cos_sin_cache().to(dtype)
+            self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     @classmethod
     def from_module(cls, module) -> "RotaryEmbedding":
@@ -97,6 +109,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.base = getattr(module, "base", None)
         self.is_neox_style = bool(module.is_neox_style)
         self.dtype = module.cos_sin_cache.dtype
+        self.table_free = False
         self.register_buffer("cos_sin_cache", module.cos_sin_cache, persistent=False)
         return self
 
@@ -111,8 +124,25 @@ class RotaryEmbedding(torch.nn.Module):
         return torch.cat((freqs.cos(), freqs.sin()), dim=-1)
 
     def get_cos_sin(self, seqlen: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        if self.table_free:
+            cos, sin = rome_tables.cos_sin(torch.arange(seqlen), self.inv_freq, "half")
+            h = self.rotary_dim // 2
+            return cos[:, :h].to(self.dtype), sin[:, :h].to(self.dtype)
         cos, sin = self.cos_sin_cache[:seqlen].chunk(2, dim=-1)
         return cos, sin
+
+    def _rotate_table_free(self, positions, query, key, head_size, offset, inverse):
+        # [T, H·D] / [T, H, D] / [B, S, H·D] -> [..., H, D] views; positions one per token.
+        def heads(x):
+            if x is None:
+                return None
+            lead = tuple(positions.shape)
+            v = x.view(*lead, -1, head_size)
+            return v[..., offset:] if offset else v
+
+        rotation = "half" if self.is_neox_style else "interleave"
+        ops.rope_from_positions_(heads(query), heads(key), positions.unsqueeze(-1), self.inv_freq,
+                                 rotation=rotation, rotary_dim=self.rotary_dim, inverse=inverse)
 
     def _rotate(self, positions, query, key, offsets, inverse=False):
         if offsets is not None:  # older vLLM versions: positions + offsets
@@ -125,6 +155,9 @@ class RotaryEmbedding(torch.nn.Module):
         if positions.dim() == 1 and query.dim() == 3 and query.shape[-1] > head_size:
             head_size = int(query.shape[-1])
             offset = head_size - self.rotary_dim
+        if self.table_free:
+            self._rotate_table_free(positions, query, key, head_size, offset, inverse)
+            return
         ops.rotary_embedding(positions, query, key, head_size, self.cos_sin_cache,
                              self.is_neox_style, offset, inverse)
 
@@ -158,4 +191,4 @@ class RotaryEmbedding(torch.nn.Module):
     def extra_repr(self) -> str:
         return (f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, "
                 f"max_position_embeddings={self.max_position_embeddings}, base={self.base}, "
-                f"is_neox_style={self.is_neox_style}")
+                f"is_neox_style={self.is_neox_style}, table_free={self.table_free}")

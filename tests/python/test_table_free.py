@@ -283,3 +283,33 @@ def test_two_ranks_context_parallel_match_one_process(tmp_path):
     out = torch.load(result)
     assert out["same_q"] and out["same_k"]
     assert out["threads"] == [1, 1]
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_vllm_table_free_mode(isa, neox):
+    import rome.vllm
+
+    layer = rome.vllm.RotaryEmbedding(128, 64, 4096, 500000.0, neox, torch.bfloat16,
+                                      table_free=True)
+    assert layer.cos_sin_cache is None
+    qkv = torch.randn(7, 3 * 4 * 128).bfloat16()
+    q, k = qkv[:, :512], qkv[:, 512:1024]  # row-strided slices of a fused qkv buffer
+    pos = torch.tensor([0, 5, 4095, 10**6, 3 * 10**6, 10**7, 17])  # past max_position too
+    yq, yk = layer.forward_native(pos, q, k)
+    rotation = "half" if neox else "interleave"
+    inv = layer.inv_freq.double()
+    want_q = reference(q.view(7, 4, 128), pos[:, None].expand(7, 4), inv, rotation, 64)
+    close(yq.view(7, 4, 128), want_q, torch.bfloat16)
+    want_k = reference(k.view(7, 4, 128), pos[:, None].expand(7, 4), inv, rotation, 64)
+    close(yk.view(7, 4, 128), want_k, torch.bfloat16)
+    # In place, the same bits; inverse undoes it to within rounding.
+    q2, k2 = q.clone(), k.clone()
+    layer.forward(pos, q2, k2)
+    assert torch.equal(q2, yq) and torch.equal(k2, yk)
+    # MLA: [T, H, D] with D > head_size rotates the last rotary_dim lanes only.
+    mla = rome.vllm.RotaryEmbedding(64, 64, 4096, 10000.0, neox, torch.float32, table_free=True)
+    x = torch.randn(5, 4, 192)
+    x0 = x.clone()
+    mla.forward(torch.arange(5) * 100000, x, None)
+    assert torch.equal(x[..., :128], x0[..., :128])
+    assert not torch.equal(x[..., 128:], x0[..., 128:])
