@@ -364,8 +364,20 @@ PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq
     rome::fail(rome::Status::invalid_argument, "inv_freq.device",
                positions.device().str() + " (the device of positions)", inv_freq.device().str());
   PreparedTables p;
-  const Tensor f = inv_freq.to(at::kDouble).contiguous();
-  p.tables.frequencies.assign(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+  // Read in place when fp32/fp64 (a .to(kDouble) costs several microseconds: a decode step).
+  const int64_t n = inv_freq.numel(), step = inv_freq.stride(0);
+  if (inv_freq.scalar_type() == at::kFloat) {
+    const float* f = inv_freq.data_ptr<float>();
+    p.tables.frequencies.resize(std::size_t(n));
+    for (int64_t i = 0; i < n; ++i) p.tables.frequencies[std::size_t(i)] = f[i * step];
+  } else if (inv_freq.scalar_type() == at::kDouble) {
+    const double* f = inv_freq.data_ptr<double>();
+    p.tables.frequencies.resize(std::size_t(n));
+    for (int64_t i = 0; i < n; ++i) p.tables.frequencies[std::size_t(i)] = f[i * step];
+  } else {
+    const Tensor f = inv_freq.to(at::kDouble).contiguous();
+    p.tables.frequencies.assign(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+  }
   if (p.tables.frequencies.empty())
     rome::fail(rome::Status::invalid_argument, "inv_freq",
                "at least one frequency (one per lane pair)", shape_of(inv_freq));

@@ -2,6 +2,7 @@
 // only), Autograd (torch::autograd::Function whose backward calls rome::_rope_backward) and
 // ADInplaceOrView (version counters of the in-place ops).
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/SymInt.h>
 #include <torch/autograd.h>
@@ -614,6 +615,41 @@ std::tuple<Tensor, Tensor> rope_from_positions_backward_cpu(
   });
 }
 
+// The exact table builder: [*positions.shape, 2·n] fp32 cos and sin (half or pairs layout).
+std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& inv_freq,
+                                       c10::string_view layout, double amplitude,
+                                       std::optional<at::ScalarType> dtype) {
+  return guarded({{"frequencies", "inv_freq"}}, [&] {
+    if (layout != "half" && layout != "pairs")
+      rome::fail(rome::Status::invalid_argument, "layout", "'half' or 'pairs'",
+                 "'" + std::string(layout) + "'");
+    if (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong)
+      rome::fail(rome::Status::invalid_argument, "positions.dtype", "int32 or int64",
+                 c10::toString(positions.scalar_type()));
+    const PreparedTables t = table_free_tables(positions, inv_freq, amplitude, {}, {1}, false);
+    const Tensor pos = positions.to(at::kLong).contiguous();
+    const int64_t n = int64_t(t.tables.frequencies.size()), rows = pos.numel();
+    std::vector<int64_t> shape = to_vec(positions.sizes());
+    shape.push_back(2 * n);
+    Tensor cos = at::empty(shape, positions.options().dtype(at::kFloat));
+    Tensor sin = at::empty(shape, positions.options().dtype(at::kFloat));
+    const int64_t* p = pos.data_ptr<int64_t>();
+    const std::span<const double> f(t.tables.frequencies);
+    // Validate everything once on this thread, then fill the rows in parallel.
+    rome::exact_cos_sin_rows({p, size_t(rows)}, f, amplitude, layout == "pairs", nullptr, nullptr);
+    float* c = cos.data_ptr<float>();
+    float* s = sin.data_ptr<float>();
+    const bool pairs = layout == "pairs";
+    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+      rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs,
+                               c + begin * 2 * n, s + begin * 2 * n);
+    });
+    if (dtype.has_value() && *dtype != at::kFloat)
+      return std::make_tuple(cos.to(*dtype), sin.to(*dtype));
+    return std::make_tuple(cos, sin);
+  });
+}
+
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_cpu(
     const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
     const Tensor& cos, const Tensor& sin, const OptTensor& positions, c10::string_view rotation,
@@ -758,6 +794,16 @@ std::tuple<Tensor, Tensor> rope_from_positions_meta(const Tensor& q, const OptTe
                                                     double, c10::IntArrayRef, bool) {
   require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
   return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
+}
+
+std::tuple<Tensor, Tensor> cos_sin_meta(const Tensor& positions, const Tensor& inv_freq,
+                                        c10::string_view, double,
+                                        std::optional<at::ScalarType> dtype) {
+  require_all_meta({{"positions", &positions}, {"inv_freq", &inv_freq}});
+  std::vector<c10::SymInt> shape(positions.sym_sizes().begin(), positions.sym_sizes().end());
+  shape.push_back(inv_freq.sym_size(0) * 2);
+  const auto options = positions.options().dtype(dtype.value_or(at::kFloat));
+  return std::make_tuple(at::empty_symint(shape, options), at::empty_symint(shape, options));
 }
 
 void rope_from_positions_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& positions,
@@ -1400,6 +1446,9 @@ TORCH_LIBRARY(rome, m) {
       "str rotation=\"half\", int[] blocks=[], int rotary_dim=-1, float amplitude=1.0, "
       "int[] column_axis=[], bool inverse=False) -> ()");
   m.def(
+      "cos_sin(Tensor positions, Tensor inv_freq, str layout=\"half\", float amplitude=1.0, "
+      "ScalarType? dtype=None) -> (Tensor, Tensor)");
+  m.def(
       "_rope_from_positions_backward(Tensor grad_q, Tensor? grad_k, Tensor positions, "
       "Tensor inv_freq, str rotation, int[] blocks, int rotary_dim, float amplitude, "
       "int[] column_axis, bool inverse) -> (Tensor, Tensor)");
@@ -1425,6 +1474,7 @@ TORCH_LIBRARY_IMPL(rome, CPU, m) {
   m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
   m.impl("_rope_backward", rope_backward_cpu);
   m.impl("rope_from_positions", rope_from_positions_cpu);
+  m.impl("cos_sin", cos_sin_cpu);
   m.impl("rope_from_positions_", rope_from_positions_inplace_cpu);
   m.impl("_rope_from_positions_backward", rope_from_positions_backward_cpu);
 }
@@ -1442,6 +1492,7 @@ TORCH_LIBRARY_IMPL(rome, Meta, m) {
   m.impl("apply_rotary_emb_interleaved", interleaved_meta);
   m.impl("_rope_backward", rope_backward_meta);
   m.impl("rope_from_positions", rope_from_positions_meta);
+  m.impl("cos_sin", cos_sin_meta);
   m.impl("rope_from_positions_", rope_from_positions_inplace_meta);
   m.impl("_rope_from_positions_backward", rope_from_positions_meta);
 }

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "rome/rotation.hpp"
@@ -96,6 +97,16 @@ struct PagedKeys {
 // the touched slots; no table of the sequence length. Everything is validated before a write.
 void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedKeys& keys,
                     const ExecOptions& options = {});
+
+// Table-free RoPE's cos and sin as table rows, for callers that must hand tables on: row r of
+// the [positions.size(), 2·frequencies.size()] row-major outputs holds amplitude·cos/sin(
+// positions[r] · frequencies[i]) at columns i and i + n (half layout) or 2i and 2i + 1 (pairs),
+// the same fp32 values the table-free executor computes. Validated first (finite frequencies
+// and amplitude, |position × frequency| < 2^50): on error nothing is written. Null outputs:
+// validation only.
+void exact_cos_sin_rows(std::span<const std::int64_t> positions,
+                        std::span<const double> frequencies, double amplitude, bool pairs_layout,
+                        float* cos, float* sin);
 
 // How many distinct threads ran the calling thread's last rope_forward (0 when it had no work):
 // a diagnostic that shows which thread setting took effect.

@@ -7,7 +7,14 @@
   [3, B, S, D] per position axis, ``mrope_section`` e.g. [16, 24, 24]). transformers 5.x folds the
   section selection into ``Qwen2VLRotaryEmbedding`` and calls plain ``apply_rotary_pos_emb``, so
   :func:`patch_model` covers Qwen2-VL's text model there.
-- :func:`patch_model` / :func:`patch_module` — make a loaded model's attention layers use RoME.
+- :func:`patch_model` / :func:`patch_module` — make a loaded model's attention layers use RoME;
+  :func:`patch_model` also replaces the forward of the model's Llama-style rotary embedding
+  modules (``inv_freq`` + ``attention_scaling``: rope types default, linear, dynamic, yarn,
+  longrope, llama3 and every other type whose module computes ``cos/sin(position × inv_freq) ·
+  attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`): the module's
+  ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin exact to fp32 at any
+  position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE modules (Qwen2-VL's
+  section selection) are left alone and listed in ``skipped``.
 
 Results equal transformers' function: same output shapes and dtypes (the promoted dtype of q and
 the tables, as ``q * cos`` gives), with the values of the same formula. RoME computes in fp32 and
@@ -30,6 +37,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import ops
+from . import tables as rome_tables
 
 __all__ = [
     "apply_rotary_pos_emb",
@@ -328,6 +336,33 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
 """,
 )
 
+# Llama-style rotary embedding forwards (transformers 5.x and 4.4x spellings).
+_ROTARY_FORWARD_BODIES = (
+    """
+def forward(self, x, position_ids):
+    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos = emb.cos() * self.attention_scaling
+    sin = emb.sin() * self.attention_scaling
+
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+""",
+    """
+def forward(self, x, position_ids):
+    inv_freq_expanded = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1).to(x.device)
+    position_ids_expanded = position_ids[:, None, :].float()
+
+    device_type = x.device.type if isinstance(x.device.type, str) and x.device.type != "mps" else "cpu"
+    with torch.autocast(device_type=device_type, enabled=False):  # Force float32
+        freqs = (inv_freq_expanded.float() @ position_ids_expanded.float()).transpose(1, 2)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+""",
+)
+
 _SIG_V5 = ["q", "k", "cos", "sin", "unsqueeze_dim"]
 _SIG_V4 = ["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"]
 
@@ -364,6 +399,7 @@ def _key_of(source: str) -> Optional[str]:
 
 
 _LLAMA_KEY = _key_of(_LLAMA_BODY)
+_ROTARY_FORWARD_KEYS = {_key_of(src) for src in _ROTARY_FORWARD_BODIES}
 _PARTIAL_KEYS = {_key_of(src) for src in _PARTIAL_BODIES}
 _ROTATE_HALF_KEY = _key_of(_ROTATE_HALF)
 
@@ -412,6 +448,54 @@ _LOCK = threading.Lock()
 _ACTIVE: Dict[str, list] = {}  # module name -> [original, replacement, reference count]
 
 
+@torch.no_grad()
+def _exact_rotary_forward(self, x, position_ids):
+    """A Llama-style rotary module's forward on RoME's exact table builder."""
+    if x.device.type != "cpu" or position_ids.device.type != "cpu":
+        return self._rome_original_forward(x, position_ids)
+    scaling = float(getattr(self, "attention_scaling", 1.0))
+    return rome_tables.cos_sin(position_ids, self.inv_freq, "half", amplitude=scaling,
+                               dtype=x.dtype)
+
+
+def _rotary_reason(sub: torch.nn.Module) -> Optional[str]:
+    """None when `sub` is a Llama-style rotary module RoME serves, else why not."""
+    if not isinstance(getattr(sub, "inv_freq", None), torch.Tensor):
+        return "no inv_freq buffer"
+    forward = type(sub).__dict__.get("forward")
+    if forward is None:
+        for cls in type(sub).__mro__[1:]:
+            forward = cls.__dict__.get("forward")
+            if forward is not None:
+                break
+    if _key_of(_source_of(forward) or "") not in _ROTARY_FORWARD_KEYS:
+        return "forward differs from the Llama rotary module's (MRoPE or other math)"
+    return None
+
+
+def _patch_rotary(model: torch.nn.Module):
+    patched, skipped = [], {}
+    try:
+        from transformers.modeling_rope_utils import dynamic_rope_update
+    except ImportError:  # transformers without dynamic RoPE: no update step to keep
+        dynamic_rope_update = None
+    for name, sub in model.named_modules():
+        if not type(sub).__name__.endswith("RotaryEmbedding") or "_rome_original_forward" in \
+                sub.__dict__:
+            continue
+        reason = _rotary_reason(sub)
+        if reason is not None:
+            skipped[type(sub).__module__ + "." + type(sub).__name__] = reason
+            continue
+        original = sub.forward
+        updates = hasattr(type(sub).forward, "__wrapped__") and dynamic_rope_update is not None
+        forward = dynamic_rope_update(_exact_rotary_forward) if updates else _exact_rotary_forward
+        sub._rome_original_forward = original
+        sub.forward = forward.__get__(sub)
+        patched.append((name, sub))
+    return patched, skipped
+
+
 class HFPatch:
     """What :func:`patch_model` / :func:`patch_module` changed; undo with :meth:`undo` (or use as
     a context manager). Undoing twice is harmless.
@@ -421,14 +505,16 @@ class HFPatch:
         skipped: {module name: reason} for modules of the model left alone.
     """
 
-    def __init__(self, patched: List[str], skipped: Dict[str, str]):
+    def __init__(self, patched: List[str], skipped: Dict[str, str], rotary=()):
         self.patched = list(patched)
         self.skipped = dict(skipped)
+        self._rotary = list(rotary)
+        self.rotary_patched = [name or "(model)" for name, _ in self._rotary]
         self._undone = False
 
     @property
     def active(self) -> bool:
-        return not self._undone and bool(self.patched)
+        return not self._undone and bool(self.patched or self._rotary)
 
     def undo(self) -> None:
         """Restores the original functions (once every patch of a module is undone)."""
@@ -436,6 +522,9 @@ class HFPatch:
             if self._undone:
                 return
             self._undone = True
+            for _, sub in self._rotary:
+                sub.__dict__.pop("forward", None)
+                sub.__dict__.pop("_rome_original_forward", None)
             for name in self.patched:
                 entry = _ACTIVE.get(name)
                 if entry is None:
@@ -493,7 +582,7 @@ def patch_module(module: ModuleType) -> HFPatch:
     return _patch_modules([module])
 
 
-def patch_model(model: torch.nn.Module, warn: bool = True) -> HFPatch:
+def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) -> HFPatch:
     """Makes a loaded transformers model compute RoPE with RoME.
 
     transformers' attention layers (Llama, Mistral, Qwen2, Qwen2-VL's text model, Gemma, Phi-3,
@@ -506,6 +595,10 @@ def patch_model(model: torch.nn.Module, warn: bool = True) -> HFPatch:
 
     The patch is per modeling module, so it affects every model of that architecture in the
     process until undone. Patches nest (a module is restored when its last patch is undone).
+
+    With ``rotary=True`` the model's own Llama-style rotary embedding modules (this model only)
+    compute cos/sin with :func:`rome.tables.cos_sin` (exact to fp32 at any position; see the
+    module docstring); ``handle.rotary_patched`` names them.
 
     Returns:
         :class:`HFPatch`: ``handle.undo()`` restores the originals; ``with patch_model(m): ...``
@@ -521,7 +614,13 @@ def patch_model(model: torch.nn.Module, warn: bool = True) -> HFPatch:
     modules = [sys.modules[n] for n in names
                if n in sys.modules and "apply_rotary_pos_emb" in sys.modules[n].__dict__]
     handle = _patch_modules(modules)
-    if warn and not handle.patched:
+    if rotary:
+        with _LOCK:
+            patched, skipped = _patch_rotary(model)
+        handle._rotary = patched
+        handle.rotary_patched = [name or "(model)" for name, _ in patched]
+        handle.skipped.update(skipped)
+    if warn and not handle.patched and not handle._rotary:
         reasons = "; ".join(f"{k}: {v}" for k, v in handle.skipped.items()) or \
             "no modeling module of the model defines apply_rotary_pos_emb"
         warnings.warn(f"rome.hf.patch_model: nothing patched ({reasons})", stacklevel=2)

@@ -231,20 +231,5 @@ def cos_sin(
         layout = "pairs"
     if layout not in ("half", "pairs"):
         raise ValueError(f"rome: layout: expected 'half' or 'pairs', got {layout!r}")
-    positions = torch.as_tensor(positions)
-    n = int(inv_freq.numel()) if isinstance(inv_freq, torch.Tensor) and inv_freq.dim() == 1 else -1
-    if n <= 0:
-        raise ValueError("rome: inv_freq: expected a 1-D tensor of at least one frequency, got "
-                         f"{getattr(inv_freq, 'shape', type(inv_freq).__name__)}")
-    flat = positions.reshape(-1, 1)
-    # Rotation 'half' of x = [1]*n + [0]*n gives [cos, sin] exactly (1·c + 0·s, 0·c + 1·s).
-    unit = torch.cat([torch.ones(n), torch.zeros(n)]).expand(flat.shape[0], 1, 2 * n)
-    y, _ = torch.ops.rome.rope_from_positions(unit.contiguous(), None, flat, inv_freq, "half",
-                                              [], -1, float(amplitude), [], False)
-    c, s = y[:, 0, :n], y[:, 0, n:]
-    if layout == "half":
-        c, s = torch.cat([c, c], -1), torch.cat([s, s], -1)
-    else:
-        c, s = c.repeat_interleave(2, -1), s.repeat_interleave(2, -1)
-    shape = tuple(positions.shape) + (2 * n,)
-    return c.reshape(shape).to(dtype), s.reshape(shape).to(dtype)
+    return torch.ops.rome.cos_sin(torch.as_tensor(positions), inv_freq, layout, float(amplitude),
+                                  dtype)

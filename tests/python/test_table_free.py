@@ -12,6 +12,7 @@ import torch.multiprocessing as mp
 from torch.library import opcheck
 
 import rome
+import rome.hf
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BIG = [0, 1, 4095, 131071, 1000003, 10000019]
@@ -313,3 +314,61 @@ def test_vllm_table_free_mode(isa, neox):
     mla.forward(torch.arange(5) * 100000, x, None)
     assert torch.equal(x[..., :128], x0[..., :128])
     assert not torch.equal(x[..., 128:], x0[..., 128:])
+
+
+def test_cos_sin_op_opcheck_and_errors(isa):
+    inv = llama_inv_freq(64)
+    opcheck(torch.ops.rome.cos_sin.default, (torch.randint(0, 10**6, (3, 5)), inv, "pairs", 0.5, torch.bfloat16))
+    with pytest.raises(ValueError, match="rome: inv_freq"):
+        rome.tables.cos_sin(torch.arange(3), torch.tensor([1.0, math.nan]))
+    with pytest.raises(ValueError, match="rome: positions.dtype"):
+        rome.tables.cos_sin(torch.arange(3.0), inv)
+    with pytest.raises(ValueError, match="rome: layout"):
+        rome.tables.cos_sin(torch.arange(3), inv, layout="diagonal")
+
+
+def _rotary_module(rope_parameters):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1, vocab_size=64,
+                                      max_position_embeddings=4096,
+                                      rope_parameters=rope_parameters)
+    return transformers.LlamaForCausalLM(config).eval()
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "default", "rope_theta": 500000.0},
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0,
+     "original_max_position_embeddings": 512},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+])
+def test_hf_rotary_module_patched_is_exact(rope_parameters):
+    model = _rotary_module(rope_parameters)
+    rotary = model.model.rotary_emb
+    x = torch.randn(1, 1, 128)
+    pid = torch.tensor([[0, 7, 4095, 10**6, 10**7]])
+    cos0, sin0 = rotary(x, pid)
+    handle = rome.hf.patch_model(model)
+    try:
+        assert handle.rotary_patched == ["model.rotary_emb"], handle.skipped
+        cos1, sin1 = rotary(x, pid)
+        # After the call: dynamic types have updated inv_freq for the sequence, as unpatched.
+        inv = rotary.inv_freq.double()
+        scale = float(rotary.attention_scaling)
+        angle = pid[0].double()[:, None] * torch.cat([inv, inv])[None]
+        for got, unpatched, ref in ((cos1, cos0, scale * torch.cos(angle)),
+                                    (sin1, sin0, scale * torch.sin(angle))):
+            assert got.shape == unpatched.shape and got.dtype == unpatched.dtype
+            assert (got[0].double() - ref).abs().max() <= 3e-7 * max(scale, 1.0)
+            if rope_parameters["rope_type"] != "dynamic":  # dynamic rescales past 4096
+                assert (unpatched[0].double() - ref).abs().max() > 1e-3
+        with torch.no_grad():
+            model(torch.randint(0, 64, (1, 6)))  # the model still runs end to end
+    finally:
+        handle.undo()
+    assert "forward" not in rotary.__dict__
+    cos2, _ = rotary(x, pid)
+    assert torch.equal(cos2, cos0)

@@ -10,7 +10,10 @@ are built), RoME's table builders (``rome.tables.rope_table``, math in double) a
 Speed (same process, same threads, medians): the seed tensor x [1, 24, S, 128] bf16, half, in
 place, with a precomputed fp32 table [S, 128] (``rope_``) and table-free (``rope_from_positions_``
 with positions ``arange(S)``), against a copy of x; and one Llama-3.1-8B decode step (q [1, 32,
-1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways. Left out: building the table
+1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways; and a transformers Llama rotary
+module (head_dim 128, θ = 500000) at S = 1, 4096, 32768, unpatched and with ``rome.hf.patch_model``
+(``rome.tables.cos_sin``; its fp32 outputs are allocated on every call, as the module's are).
+Left out: building the table
 (transformers rebuilds it every forward, vLLM once at start-up), allocation (in place), thread
 start-up (pools warm).
 """
@@ -99,10 +102,35 @@ def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None
                 row["decode_table_free_us"] = 1e3 * _median_ms(
                     lambda: torch.ops.rome.rope_from_positions_(q1, k1, p1, inv), samples,
                     inner=500)
+                row["rotary"] = _rotary_module_times(quick, samples)
                 speed.append(row)
     finally:
         torch.set_num_threads(saved)
     return {"precision": precision, "speed": speed, "seq": S, "isa": rome.active_isa()}
+
+
+def _rotary_module_times(quick: bool, samples: int) -> Dict:
+    try:
+        import transformers
+        import rome.hf
+    except ImportError:
+        return {}
+    config = transformers.LlamaConfig(hidden_size=1024, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=8, num_key_value_heads=8, vocab_size=8,
+                                      max_position_embeddings=1 << 20,
+                                      rope_parameters={"rope_type": "default",
+                                                       "rope_theta": THETA})
+    rotary = transformers.LlamaForCausalLM(config).model.rotary_emb
+    x = torch.zeros(1, 1, 1024, dtype=torch.bfloat16)
+    out = {}
+    for S in ([1, 4096] if quick else [1, 4096, 32768]):
+        pid = torch.arange(S)[None]
+        inner = 200 if S == 1 else 1
+        before = _median_ms(lambda: rotary(x, pid), samples, inner)
+        with rome.hf.patch_model(rotary, warn=False):  # the rotary module alone
+            after = _median_ms(lambda: rotary(x, pid), samples, inner)
+        out[str(S)] = [before, after]
+    return out
 
 
 def markdown(res: Dict) -> str:
@@ -130,4 +158,12 @@ def markdown(res: Dict) -> str:
             f"| {r['threads']} | {r['copy']:.2f} | {r['table']:.2f} | {r['table_free']:.2f} | "
             f"{r['table_free'] / r['table']:.2f}x | {r['table_free'] / r['copy']:.2f}x | "
             f"{r['decode_table_us']:.1f} | {r['decode_table_free_us']:.1f} |")
+    if res["speed"] and res["speed"][0].get("rotary"):
+        lines += ["", "transformers' Llama rotary module (bf16 x, head_dim 128): ms per call, "
+                  "unpatched / patched (speed-up)", "",
+                  "| threads | " + " | ".join(f"S = {s}" for s in res["speed"][0]["rotary"]) + " |",
+                  "|---:|" + "---:|" * len(res["speed"][0]["rotary"])]
+        for r in res["speed"]:
+            cells = [f"{b:.3f} / {a:.3f} ({b / a:.1f}x)" for b, a in r["rotary"].values()]
+            lines.append(f"| {r['threads']} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

@@ -18,6 +18,9 @@ struct Avx2Traits {
   static D sub(D a, D b) { return _mm256_sub_pd(a, b); }
   static D mul(D a, D b) { return _mm256_mul_pd(a, b); }
   static D fma(D a, D b, D c) { return _mm256_fmadd_pd(a, b, c); }
+  static D fms(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
+  static D fnma(D a, D b, D c) { return _mm256_fnmadd_pd(a, b, c); }
+  static D bit_xor(D a, D b) { return _mm256_xor_pd(a, b); }
   template <int B>
   static D sign_of_bit(D t) {
     return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 63 - B));

@@ -20,6 +20,9 @@ struct Avx512Traits {
   static D sub(D a, D b) { return _mm512_sub_pd(a, b); }
   static D mul(D a, D b) { return _mm512_mul_pd(a, b); }
   static D fma(D a, D b, D c) { return _mm512_fmadd_pd(a, b, c); }
+  static D fms(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
+  static D fnma(D a, D b, D c) { return _mm512_fnmadd_pd(a, b, c); }
+  static D bit_xor(D a, D b) { return _mm512_xor_pd(a, b); }
   template <int B>
   static D sign_of_bit(D t) {
     return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 63 - B));

@@ -10,9 +10,10 @@
 // before its one rounding to fp32 (amplitude applied in double first).
 //
 // The traits type V provides: kLanes; D (a vector of doubles); load(const double*), set(double),
-// add, sub, mul, fma(a, b, c) = a·b + c rounded once; sign_of_bit<B>(t): a vector whose sign bit
+// add, sub, mul, fma(a, b, c) = a·b + c, fms(a, b, c) = a·b − c and fnma(a, b, c) = c − a·b, each
+// rounded once; sign_of_bit<B>(t): a vector whose sign bit
 // is bit B of t's bits (other bits arbitrary); select_by_sign(m, a, b): b where m's sign bit is
-// set, else a; flip_sign(x, m): x with its sign flipped where m's sign bit is set;
+// set, else a; flip_sign(x, m): x with its sign flipped where m's sign bit is set; bit_xor(a, b);
 // store_float(float*, D): kLanes floats, each rounded to nearest even.
 #pragma once
 
@@ -52,38 +53,40 @@ inline void sin_cos_reduced(const typename V::D& r, typename V::D& s, typename V
 }
 
 // One vector: angles position·frequency, exact product, reduced by π/2.
-template <class V>
+template <class V, bool kScaled>
 inline void cos_sin_vector(const typename V::D& p, const typename V::D& f,
                            const typename V::D& amplitude, float* cos_out, float* sin_out) {
   using D = typename V::D;
   const D theta = V::mul(p, f);
-  const D theta_lo = V::fma(p, f, V::sub(V::set(0.0), theta));  // p·f − theta, exactly
-  const D t = V::add(V::mul(theta, V::set(kTwoOverPi)), V::set(kRoundMagic));
+  const D theta_lo = V::fms(p, f, theta);  // p·f − theta, exactly
+  const D t = V::fma(theta, V::set(kTwoOverPi), V::set(kRoundMagic));
   const D k = V::sub(t, V::set(kRoundMagic));
-  const D minus_k = V::sub(V::set(0.0), k);
-  D r = V::fma(minus_k, V::set(kHalfPi1), theta);
-  r = V::fma(minus_k, V::set(kHalfPi2), r);
+  D r = V::fnma(k, V::set(kHalfPi1), theta);
+  r = V::fnma(k, V::set(kHalfPi2), r);
   r = V::add(r, theta_lo);
   D s, c;
   sin_cos_reduced<V>(r, s, c);
   // Quadrant q = k mod 4: sin θ = (s, c, −s, −c)[q], cos θ = (c, −s, −c, s)[q].
   const D odd = V::template sign_of_bit<0>(t), second = V::template sign_of_bit<1>(t);
-  const D sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
-  const D cos_q = V::flip_sign(V::flip_sign(V::select_by_sign(odd, c, s), odd), second);
-  V::store_float(cos_out, V::mul(cos_q, amplitude));
-  V::store_float(sin_out, V::mul(sin_q, amplitude));
+  D sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
+  D cos_q = V::flip_sign(V::select_by_sign(odd, c, s), V::bit_xor(odd, second));
+  if constexpr (kScaled) {
+    sin_q = V::mul(sin_q, amplitude);
+    cos_q = V::mul(cos_q, amplitude);
+  }
+  V::store_float(cos_out, cos_q);
+  V::store_float(sin_out, sin_q);
 }
 
-// cos_out[i] = fp32(amplitude·cos(position[i]·frequency[i])), sin_out likewise, i < n.
-// |position[i]·frequency[i]| must be below 2^51·π/2 (the reduction's integer range).
-template <class V>
-void cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,
-             float* cos_out, float* sin_out) {
+template <class V, bool kScaled>
+void cos_sin_loop(std::int64_t n, const double* position, const double* frequency, double amplitude,
+                  float* cos_out, float* sin_out) {
   constexpr int W = V::kLanes;
   const typename V::D amp = V::set(amplitude);
   std::int64_t i = 0;
   for (; i + W <= n; i += W)
-    cos_sin_vector<V>(V::load(position + i), V::load(frequency + i), amp, cos_out + i, sin_out + i);
+    cos_sin_vector<V, kScaled>(V::load(position + i), V::load(frequency + i), amp, cos_out + i,
+                               sin_out + i);
   if (i == n) return;
   // The tail through padded buffers: the same operations on every lane.
   double p[W] = {}, f[W] = {};
@@ -92,11 +95,23 @@ void cos_sin(std::int64_t n, const double* position, const double* frequency, do
     p[j - i] = position[j];
     f[j - i] = frequency[j];
   }
-  cos_sin_vector<V>(V::load(p), V::load(f), amp, c, s);
+  cos_sin_vector<V, kScaled>(V::load(p), V::load(f), amp, c, s);
   for (std::int64_t j = i; j < n; ++j) {
     cos_out[j] = c[j - i];
     sin_out[j] = s[j - i];
   }
+}
+
+// cos_out[i] = fp32(amplitude·cos(position[i]·frequency[i])), sin_out likewise, i < n.
+// |position[i]·frequency[i]| must be below 2^51·π/2 (the reduction's integer range).
+template <class V>
+void cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,
+             float* cos_out, float* sin_out) {
+  // An amplitude of 1 skips its multiplication (x·1 == x: the same bits either way).
+  if (amplitude == 1.0)
+    cos_sin_loop<V, false>(n, position, frequency, amplitude, cos_out, sin_out);
+  else
+    cos_sin_loop<V, true>(n, position, frequency, amplitude, cos_out, sin_out);
 }
 
 }  // namespace rome::kernels::cos_sin_common

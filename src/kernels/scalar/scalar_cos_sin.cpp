@@ -18,6 +18,11 @@ struct ScalarTraits {
   static D sub(D a, D b) { return a - b; }
   static D mul(D a, D b) { return a * b; }
   static D fma(D a, D b, D c) { return std::fma(a, b, c); }
+  static D fms(D a, D b, D c) { return std::fma(a, b, -c); }
+  static D fnma(D a, D b, D c) { return std::fma(-a, b, c); }
+  static D bit_xor(D a, D b) {
+    return std::bit_cast<double>(std::bit_cast<std::uint64_t>(a) ^ std::bit_cast<std::uint64_t>(b));
+  }
   template <int B>
   static D sign_of_bit(D t) {
     return std::bit_cast<double>(std::bit_cast<std::uint64_t>(t) << (63 - B));

@@ -1,0 +1,79 @@
+// rome::exact_cos_sin_rows: table-free RoPE's cos/sin written out as table rows.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <string>
+#include <vector>
+
+#include "dispatch.hpp"
+#include "rome/error.hpp"
+#include "rome/rope.hpp"
+
+namespace rome {
+
+namespace {
+
+std::string number(double v) {
+  char buffer[32];
+  std::snprintf(buffer, sizeof buffer, "%.9g", v);
+  return buffer;
+}
+
+}  // namespace
+
+void exact_cos_sin_rows(std::span<const std::int64_t> positions,
+                        std::span<const double> frequencies, double amplitude, bool pairs_layout,
+                        float* cos, float* sin) {
+  const std::int64_t n = std::int64_t(frequencies.size());
+  if (n == 0) fail(Status::invalid_argument, "frequencies", "at least one frequency", "none");
+  double largest = 0;
+  for (std::int64_t i = 0; i < n; ++i) {
+    if (!std::isfinite(frequencies[i]))
+      fail(Status::invalid_argument, "frequencies", "finite values",
+           number(frequencies[i]) + " at index " + std::to_string(i));
+    largest = std::max(largest, std::fabs(frequencies[i]));
+  }
+  if (!std::isfinite(amplitude))
+    fail(Status::invalid_argument, "amplitude", "a finite value", number(amplitude));
+  const double limit = largest > 0 ? 0x1p50 / largest : INFINITY;
+  for (std::size_t r = 0; r < positions.size(); ++r)
+    if (std::fabs(double(positions[r])) >= limit)
+      fail(Status::out_of_range, "positions",
+           "values whose angles |position × frequency| stay below 2^50 (|position| < " +
+               number(limit) + ")",
+           std::to_string(positions[r]) + " at index " + std::to_string(r));
+  if (positions.empty() || !cos || !sin) return;  // null outputs: validation only
+  const kernels::CosSinFn kernel = detail::active_kernels().cos_sin;
+  // A few rows per kernel call: positions repeated per frequency, frequencies per row.
+  constexpr std::int64_t kRows = 32;
+  std::vector<double> p(std::size_t(kRows * n)), f(std::size_t(kRows * n));
+  std::vector<float> c(std::size_t(kRows * n)), s(std::size_t(kRows * n));
+  for (std::int64_t r = 0; r < kRows; ++r)
+    std::copy(frequencies.begin(), frequencies.end(), f.begin() + r * n);
+  const std::int64_t rows = std::int64_t(positions.size());
+  for (std::int64_t r0 = 0; r0 < rows; r0 += kRows) {
+    const std::int64_t m = std::min(kRows, rows - r0);
+    for (std::int64_t r = 0; r < m; ++r)
+      std::fill(p.begin() + r * n, p.begin() + (r + 1) * n, double(positions[r0 + r]));
+    kernel(m * n, p.data(), f.data(), amplitude, c.data(), s.data());
+    for (std::int64_t r = 0; r < m; ++r) {
+      const float* cr = c.data() + r * n;
+      const float* sr = s.data() + r * n;
+      float* co = cos + (r0 + r) * 2 * n;
+      float* so = sin + (r0 + r) * 2 * n;
+      if (pairs_layout) {
+        for (std::int64_t i = 0; i < n; ++i) {
+          co[2 * i] = co[2 * i + 1] = cr[i];
+          so[2 * i] = so[2 * i + 1] = sr[i];
+        }
+      } else {
+        std::copy(cr, cr + n, co);
+        std::copy(cr, cr + n, co + n);
+        std::copy(sr, sr + n, so);
+        std::copy(sr, sr + n, so + n);
+      }
+    }
+  }
+}
+
+}  // namespace rome
