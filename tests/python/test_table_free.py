@@ -372,3 +372,66 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
     assert "forward" not in rotary.__dict__
     cos2, _ = rotary(x, pid)
     assert torch.equal(cos2, cos0)
+
+
+# --------------------------------------------------------------------------------------------
+# Property test: random rotations, shapes, broadcasts, dtypes, positions (negative, huge) and
+# strided views against the fp64 reference; random corruptions must raise and write nothing.
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_property_table_free_matches_reference(data):
+    rotation, blocks, rd = data.draw(st.sampled_from(ROTATIONS))
+    pad = data.draw(st.sampled_from([0, 8]))
+    D = max(rd, 64) + pad
+    dtype = data.draw(st.sampled_from(DTYPES))
+    tokens = data.draw(st.integers(1, 7))
+    heads = data.draw(st.integers(1, 5))
+    batch = data.draw(st.integers(1, 3))
+    limit = data.draw(st.sampled_from([10, 10**5, 10**7, 2**40]))
+    positions = torch.tensor(data.draw(st.lists(st.integers(-limit, limit), min_size=batch * tokens,
+                                                max_size=batch * tokens))).view(batch, tokens, 1)
+    theta = data.draw(st.sampled_from([10000.0, 500000.0]))
+    inv = 1.0 / theta ** (torch.arange(0, rd, 2, dtype=torch.float64) / rd)
+    if limit == 2**40:
+        inv = inv * 1e-3  # keep |position × frequency| below 2^50
+    amplitude = data.draw(st.sampled_from([1.0, 0.5, 1.3]))
+    strided = data.draw(st.booleans())
+    base = torch.randn(batch, tokens, heads, D + (16 if strided else 0)).to(dtype)
+    x = base[..., :D] if strided else base
+    pb = positions.expand(batch, tokens, heads)
+    want = reference(x, pb, inv, rotation, rd, blocks, amplitude)
+    if limit == 2**40:  # the fp64 reference angle is off by up to 2^-14 there: compare loosely
+        y, _ = rome.ops.rope_from_positions(x, None, positions, inv, rotation, blocks, rd,
+                                            amplitude)
+        assert (y.double() - want).abs().max() < 5e-2
+        return
+    in_place = data.draw(st.booleans())
+    if in_place:
+        y = x.clone() if not strided else x
+        rome.ops.rope_from_positions_(y, None, positions, inv, rotation, blocks, rd, amplitude)
+    else:
+        y, _ = rome.ops.rope_from_positions(x, None, positions, inv, rotation, blocks, rd,
+                                            amplitude)
+    close(y, want, dtype)
+    # A corruption of one argument: an error, and the in-place tensor keeps its bits.
+    bad = data.draw(st.sampled_from(["count", "nan", "float_positions", "shape"]))
+    z = x.clone()
+    z0 = z.clone()
+    args = dict(positions=positions, inv_freq=inv)
+    if bad == "count":
+        args["inv_freq"] = inv[:-1]
+    elif bad == "nan":
+        args["inv_freq"] = torch.where(torch.arange(len(inv)) == 0, math.nan, inv)
+    elif bad == "float_positions":
+        args["positions"] = positions.double()
+    else:
+        args["positions"] = torch.zeros(batch, tokens + 1, 1, dtype=torch.long)
+    with pytest.raises((ValueError, IndexError)):
+        rome.ops.rope_from_positions_(z, None, args["positions"], args["inv_freq"], rotation,
+                                      blocks, rd, amplitude)
+    assert torch.equal(z, z0)
