@@ -325,6 +325,24 @@ std::pair<Tensor, Tensor> effective_tables(const Tensor& cos, const Tensor& sin,
   return {c, s};
 }
 
+// positions as the core reads them, with leading axes of size 1 up to `rank`, added on the view
+// itself (a torch view or unsqueeze costs about a microsecond, as much as a decode step).
+static rome::ConstTensorView positions_view(const Tensor& positions, int rank) {
+  rome::ConstTensorView view = const_view(positions, "positions", true);
+  if (view.rank >= rank || rank > rome::kMaxRank) return view;
+  const int add = rank - view.rank;
+  for (int i = view.rank - 1; i >= 0; --i) {
+    view.shape[i + add] = view.shape[i];
+    view.strides[i + add] = view.strides[i];
+  }
+  for (int i = 0; i < add; ++i) {
+    view.shape[i] = 1;
+    view.strides[i] = 0;
+  }
+  view.rank = rank;
+  return view;
+}
+
 PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
                               const std::optional<Tensor>& positions, const std::string& width,
                               const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes) {
@@ -335,15 +353,9 @@ PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
   if (cache_tables) {
     p.cos = cos;
     p.sin = sin;
-    Tensor pos = *positions;
-    const int64_t want = x_rank - 1 + (column_axis.empty() ? 0 : 1);
-    if (pos.dim() < want) {
-      std::vector<int64_t> shape(want - pos.dim(), 1);
-      for (int64_t s : pos.sizes()) shape.push_back(s);
-      pos = pos.view(shape);
-    }
-    p.positions = pos;
-    p.tables.positions = const_view(pos, "positions", true);
+    p.positions = *positions;
+    p.tables.positions =
+        positions_view(*positions, int(x_rank) - 1 + (column_axis.empty() ? 0 : 1));
   } else {
     std::tie(p.cos, p.sin) = effective_tables(cos, sin, x_sizes);
   }
@@ -353,9 +365,7 @@ PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin,
   return p;
 }
 
-PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq, double amplitude,
-                                 const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes,
-                                 bool inverse) {
+std::vector<double> frequencies_of(const Tensor& inv_freq, const Tensor& positions) {
   if (inv_freq.dim() != 1 || !at::isFloatingType(inv_freq.scalar_type()))
     rome::fail(rome::Status::invalid_argument, "inv_freq",
                "a 1-D floating tensor (one frequency per lane pair)",
@@ -363,44 +373,37 @@ PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq
   if (inv_freq.device() != positions.device())
     rome::fail(rome::Status::invalid_argument, "inv_freq.device",
                positions.device().str() + " (the device of positions)", inv_freq.device().str());
-  PreparedTables p;
   // Read in place when fp32/fp64 (a .to(kDouble) costs several microseconds: a decode step).
-  const int64_t n = inv_freq.numel(), step = inv_freq.stride(0);
+  auto widen = [&](const auto* f, int64_t step) {
+    std::vector<double> out(std::size_t(inv_freq.numel()));
+    for (std::size_t i = 0; i < out.size(); ++i) out[i] = double(f[int64_t(i) * step]);
+    return out;
+  };
+  std::vector<double> frequencies;
   if (inv_freq.scalar_type() == at::kFloat) {
-    const float* f = inv_freq.data_ptr<float>();
-    p.tables.frequencies.resize(std::size_t(n));
-    for (int64_t i = 0; i < n; ++i) p.tables.frequencies[std::size_t(i)] = f[i * step];
+    frequencies = widen(inv_freq.data_ptr<float>(), inv_freq.stride(0));
   } else if (inv_freq.scalar_type() == at::kDouble) {
-    const double* f = inv_freq.data_ptr<double>();
-    p.tables.frequencies.resize(std::size_t(n));
-    for (int64_t i = 0; i < n; ++i) p.tables.frequencies[std::size_t(i)] = f[i * step];
+    frequencies = widen(inv_freq.data_ptr<double>(), inv_freq.stride(0));
   } else {
     const Tensor f = inv_freq.to(at::kDouble).contiguous();
-    p.tables.frequencies.assign(f.data_ptr<double>(), f.data_ptr<double>() + f.numel());
+    frequencies = widen(f.data_ptr<double>(), 1);
   }
-  if (p.tables.frequencies.empty())
+  if (frequencies.empty())
     rome::fail(rome::Status::invalid_argument, "inv_freq",
                "at least one frequency (one per lane pair)", shape_of(inv_freq));
+  return frequencies;
+}
+
+PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq, double amplitude,
+                                 const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes,
+                                 bool inverse) {
+  PreparedTables p;
+  p.tables.frequencies = frequencies_of(inv_freq, positions);
   p.tables.amplitude = amplitude;
   p.tables.inverse = inverse;
-  // Leading axes of size 1 added on the view itself (an unsqueeze costs about a microsecond,
-  // as much as a decode step's rotation).
-  const int want = int(x_sizes.size()) - 1 + (column_axis.empty() ? 0 : 1);
   p.positions = positions;
-  rome::ConstTensorView view = const_view(positions, "positions", true);
-  if (view.rank < want && want <= rome::kMaxRank) {
-    const int add = want - view.rank;
-    for (int i = view.rank - 1; i >= 0; --i) {
-      view.shape[i + add] = view.shape[i];
-      view.strides[i + add] = view.strides[i];
-    }
-    for (int i = 0; i < add; ++i) {
-      view.shape[i] = 1;
-      view.strides[i] = 0;
-    }
-    view.rank = want;
-  }
-  p.tables.positions = view;
+  p.tables.positions =
+      positions_view(positions, int(x_sizes.size()) - 1 + (column_axis.empty() ? 0 : 1));
   p.tables.column_axis.assign(column_axis.begin(), column_axis.end());
   return p;
 }

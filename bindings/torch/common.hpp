@@ -41,6 +41,8 @@ PreparedTables prepare_tables(const Tensor& cos, const Tensor& sin, const OptTen
                               const std::string& width, const std::vector<int64_t>& column_axis,
                               c10::IntArrayRef x_sizes);
 
+// inv_freq (1-D, any float dtype, on positions' device) read exactly as doubles.
+std::vector<double> frequencies_of(const Tensor& inv_freq, const Tensor& positions);
 // Table-free tables: positions (leading axes added as needed) and inv_freq read as doubles.
 PreparedTables table_free_tables(const Tensor& positions, const Tensor& inv_freq, double amplitude,
                                  const std::vector<int64_t>& column_axis, c10::IntArrayRef x_sizes,

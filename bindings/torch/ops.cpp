@@ -142,6 +142,40 @@ Prepared prepare(const Tensor& q, const Tensor& cos, const Tensor& sin, const Op
   return p;
 }
 
+// rope_forward of q (and k) into fresh outputs: (q_out, k_out), k_out empty without k.
+std::tuple<Tensor, Tensor> forward_out_of_place(const rome::Rotation& rotation,
+                                                const rome::Tables& tables, const Tensor& q,
+                                                const OptTensor& k) {
+  const Tensor qin = readable(q);
+  rome::Operand oq{const_view(qin, "q", false), {}};
+  const Tensor qout = alloc_like(q);
+  oq.out = mutable_view(qout, "q_out");
+  Tensor kin, kout;
+  rome::Operand ok;
+  if (has(k)) {
+    head_dim_of(*k, "k");
+    kin = readable(*k);
+    kout = alloc_like(*k);
+    ok = {const_view(kin, "k", false), mutable_view(kout, "k_out")};
+  }
+  rome::rope_forward(rotation, tables, oq, has(k) ? &ok : nullptr, exec_options());
+  return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
+}
+
+// rope_forward of q (and k) in place.
+void forward_in_place(const rome::Rotation& rotation, const rome::Tables& tables, const Tensor& q,
+                      const OptTensor& k) {
+  const rome::TensorView qv = mutable_view(q, "q");
+  const rome::Operand oq{rome::as_const(qv), qv};
+  rome::Operand ok;
+  if (has(k)) {
+    head_dim_of(*k, "k");
+    const rome::TensorView kv = mutable_view(*k, "k");
+    ok = {rome::as_const(kv), kv};
+  }
+  rome::rope_forward(rotation, tables, oq, has(k) ? &ok : nullptr, exec_options());
+}
+
 std::tuple<Tensor, Tensor> rope_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos,
                                     const Tensor& sin, const OptTensor& positions,
                                     c10::string_view rotation, c10::IntArrayRef blocks,
@@ -151,21 +185,7 @@ std::tuple<Tensor, Tensor> rope_cpu(const Tensor& q, const OptTensor& k, const T
   return guarded({{"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
     const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
                                column_axis, mat_a, mat_b);
-    const Tensor qin = readable(q);
-    rome::Operand oq{const_view(qin, "q", false), {}};
-    const Tensor qout = alloc_like(q);
-    oq.out = mutable_view(qout, "q_out");
-    Tensor kin, kout;
-    rome::Operand ok;
-    if (has(k)) {
-      head_dim_of(*k, "k");
-      kin = readable(*k);
-      ok.in = const_view(kin, "k", false);
-      kout = alloc_like(*k);
-      ok.out = mutable_view(kout, "k_out");
-    }
-    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
-    return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
+    return forward_out_of_place(*p.rotation, p.tables.tables, q, k);
   });
 }
 
@@ -177,15 +197,7 @@ void rope_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, co
   guarded({{"q_out", "q"}, {"k_out", "k"}, {"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
     const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
                                column_axis, mat_a, mat_b);
-    const rome::TensorView qv = mutable_view(q, "q");
-    const rome::Operand oq{rome::as_const(qv), qv};
-    rome::Operand ok;
-    if (has(k)) {
-      head_dim_of(*k, "k");
-      const rome::TensorView kv = mutable_view(*k, "k");
-      ok = {rome::as_const(kv), kv};
-    }
-    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
+    forward_in_place(*p.rotation, p.tables.tables, q, k);
   });
 }
 
@@ -557,19 +569,7 @@ std::tuple<Tensor, Tensor> rope_from_positions_cpu(const Tensor& q, const OptTen
   return guarded(kFromPositionsNames, [&] {
     const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
                                                    rotary_dim, amplitude, column_axis, inverse);
-    const Tensor qin = readable(q);
-    const Tensor qout = alloc_like(q);
-    rome::Operand oq{const_view(qin, "q", false), mutable_view(qout, "q_out")};
-    Tensor kin, kout;
-    rome::Operand ok;
-    if (has(k)) {
-      head_dim_of(*k, "k");
-      kin = readable(*k);
-      kout = alloc_like(*k);
-      ok = {const_view(kin, "k", false), mutable_view(kout, "k_out")};
-    }
-    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
-    return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
+    return forward_out_of_place(*p.rotation, p.tables.tables, q, k);
   });
 }
 
@@ -580,15 +580,7 @@ void rope_from_positions_inplace_cpu(const Tensor& q, const OptTensor& k, const 
   guarded(kFromPositionsNames, [&] {
     const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
                                                    rotary_dim, amplitude, column_axis, inverse);
-    const rome::TensorView qv = mutable_view(q, "q");
-    const rome::Operand oq{rome::as_const(qv), qv};
-    rome::Operand ok;
-    if (has(k)) {
-      head_dim_of(*k, "k");
-      const rome::TensorView kv = mutable_view(*k, "k");
-      ok = {rome::as_const(kv), kv};
-    }
-    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
+    forward_in_place(*p.rotation, p.tables.tables, q, k);
   });
 }
 
@@ -626,15 +618,16 @@ std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& in
     if (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong)
       rome::fail(rome::Status::invalid_argument, "positions.dtype", "int32 or int64",
                  c10::toString(positions.scalar_type()));
-    const PreparedTables t = table_free_tables(positions, inv_freq, amplitude, {}, {1}, false);
+    const_view(positions, "positions", true);  // device and dtype checks
+    const std::vector<double> frequencies = frequencies_of(inv_freq, positions);
     const Tensor pos = positions.to(at::kLong).contiguous();
-    const int64_t n = int64_t(t.tables.frequencies.size()), rows = pos.numel();
+    const int64_t n = int64_t(frequencies.size()), rows = pos.numel();
     std::vector<int64_t> shape = to_vec(positions.sizes());
     shape.push_back(2 * n);
     Tensor cos = at::empty(shape, positions.options().dtype(at::kFloat));
     Tensor sin = at::empty(shape, positions.options().dtype(at::kFloat));
     const int64_t* p = pos.data_ptr<int64_t>();
-    const std::span<const double> f(t.tables.frequencies);
+    const std::span<const double> f(frequencies);
     // Validate everything once on this thread, then fill the rows in parallel.
     rome::exact_cos_sin_rows({p, size_t(rows)}, f, amplitude, layout == "pairs", nullptr, nullptr);
     float* c = cos.data_ptr<float>();

@@ -462,13 +462,7 @@ def _rotary_reason(sub: torch.nn.Module) -> Optional[str]:
     """None when `sub` is a Llama-style rotary module RoME serves, else why not."""
     if not isinstance(getattr(sub, "inv_freq", None), torch.Tensor):
         return "no inv_freq buffer"
-    forward = type(sub).__dict__.get("forward")
-    if forward is None:
-        for cls in type(sub).__mro__[1:]:
-            forward = cls.__dict__.get("forward")
-            if forward is not None:
-                break
-    if _key_of(_source_of(forward) or "") not in _ROTARY_FORWARD_KEYS:
+    if _key_of(_source_of(type(sub).forward) or "") not in _ROTARY_FORWARD_KEYS:
         return "forward differs from the Llama rotary module's (MRoPE or other math)"
     return None
 
@@ -508,9 +502,13 @@ class HFPatch:
     def __init__(self, patched: List[str], skipped: Dict[str, str], rotary=()):
         self.patched = list(patched)
         self.skipped = dict(skipped)
-        self._rotary = list(rotary)
-        self.rotary_patched = [name or "(model)" for name, _ in self._rotary]
+        self._rotary = list(rotary)  # (qualified name, module) of each patched rotary module
         self._undone = False
+
+    @property
+    def rotary_patched(self) -> List[str]:
+        """Names of the rotary embedding modules whose forward now runs RoME's exact builder."""
+        return [name or "(model)" for name, _ in self._rotary]
 
     @property
     def active(self) -> bool:
@@ -618,7 +616,6 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
         with _LOCK:
             patched, skipped = _patch_rotary(model)
         handle._rotary = patched
-        handle.rotary_patched = [name or "(model)" for name, _ in patched]
         handle.skipped.update(skipped)
     if warn and not handle.patched and not handle._rotary:
         reasons = "; ".join(f"{k}: {v}" for k, v in handle.skipped.items()) or \

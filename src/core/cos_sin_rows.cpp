@@ -1,47 +1,25 @@
 // rome::exact_cos_sin_rows: table-free RoPE's cos/sin written out as table rows.
 #include <algorithm>
-#include <cmath>
-#include <cstdio>
 #include <string>
 #include <vector>
 
 #include "dispatch.hpp"
+#include "plan.hpp"
 #include "rome/error.hpp"
 #include "rome/rope.hpp"
 
 namespace rome {
-
-namespace {
-
-std::string number(double v) {
-  char buffer[32];
-  std::snprintf(buffer, sizeof buffer, "%.9g", v);
-  return buffer;
-}
-
-}  // namespace
 
 void exact_cos_sin_rows(std::span<const std::int64_t> positions,
                         std::span<const double> frequencies, double amplitude, bool pairs_layout,
                         float* cos, float* sin) {
   const std::int64_t n = std::int64_t(frequencies.size());
   if (n == 0) fail(Status::invalid_argument, "frequencies", "at least one frequency", "none");
-  double largest = 0;
-  for (std::int64_t i = 0; i < n; ++i) {
-    if (!std::isfinite(frequencies[i]))
-      fail(Status::invalid_argument, "frequencies", "finite values",
-           number(frequencies[i]) + " at index " + std::to_string(i));
-    largest = std::max(largest, std::fabs(frequencies[i]));
-  }
-  if (!std::isfinite(amplitude))
-    fail(Status::invalid_argument, "amplitude", "a finite value", number(amplitude));
-  const double limit = largest > 0 ? 0x1p50 / largest : INFINITY;
+  const double largest =
+      detail::check_frequency_values(frequencies, amplitude, "frequencies", "amplitude");
   for (std::size_t r = 0; r < positions.size(); ++r)
-    if (std::fabs(double(positions[r])) >= limit)
-      fail(Status::out_of_range, "positions",
-           "values whose angles |position × frequency| stay below 2^50 (|position| < " +
-               number(limit) + ")",
-           std::to_string(positions[r]) + " at index " + std::to_string(r));
+    if (!detail::angle_in_range(positions[r], largest))
+      detail::fail_angle(positions[r], largest, "index " + std::to_string(r));
   if (positions.empty() || !cos || !sin) return;  // null outputs: validation only
   const kernels::CosSinFn kernel = detail::active_kernels().cos_sin;
   // A few rows per kernel call: positions repeated per frequency, frequencies per row.

@@ -292,23 +292,16 @@ void check_positions_range(const ConstTensorView& p, int64_t cache_rows) {
   });
 }
 
-// Table-free: the angle reduction is exact while |position × frequency| < 2^51; 2^50 leaves room.
-constexpr double kMaxAngle = 0x1p50;
-
 template <typename Index>
 void check_positions_angle(const ConstTensorView& p, double largest_frequency) {
-  const double limit = largest_frequency > 0 ? kMaxAngle / largest_frequency : 0.0;
   for_each_position<Index>(p, [&](int64_t value, const int64_t* idx) {
-    if (largest_frequency > 0 && std::fabs(double(value)) >= limit)
-      fail(Status::out_of_range, "positions",
-           "values whose angles |position × frequency| stay below 2^50 (|position| < " +
-               number_string(limit) + " for the largest frequency " +
-               number_string(largest_frequency) + ")",
-           to_string(value) + " at index " + index_string(idx, p.rank));
+    if (!angle_in_range(value, largest_frequency))
+      fail_angle(value, largest_frequency, "index " + index_string(idx, p.rank));
   });
 }
 
-void check_frequencies(const RotationData& rot, const Tables& tables) {
+// Table-free tables against the rotation; returns the largest |frequency|.
+double check_frequencies(const RotationData& rot, const Tables& tables) {
   if (rot.kind != Rotation::Kind::signed_permutation || rot.lane_frequency.empty())
     fail(Status::invalid_argument, "rotation",
          "a rotation that turns pairs of lanes (half, interleave, quarter, interleave_half, "
@@ -320,22 +313,48 @@ void check_frequencies(const RotationData& rot, const Tables& tables) {
          to_string(rot.frequency_count) + " values (one per lane pair of rotary_dim " +
              to_string(rot.rotary_dim) + ")",
          to_string(tables.frequencies.size()) + " values");
-  for (std::size_t i = 0; i < tables.frequencies.size(); ++i)
-    if (!std::isfinite(tables.frequencies[i]))
-      fail(Status::invalid_argument, "tables.frequencies", "finite values",
-           number_string(tables.frequencies[i]) + " at index " + to_string(i));
-  if (!std::isfinite(tables.amplitude))
-    fail(Status::invalid_argument, "tables.amplitude", "a finite value",
-         number_string(tables.amplitude));
+  const double largest = check_frequency_values(tables.frequencies, tables.amplitude,
+                                                "tables.frequencies", "tables.amplitude");
   if (tables.cos.data || tables.sin.data || tables.cos.rank > 0 || tables.sin.rank > 0)
     fail(Status::invalid_argument, "cos",
          "empty (table-free tables compute cos and sin from the frequencies)", "a tensor");
   if (!tables.is_cache())
     fail(Status::invalid_argument, "positions", "a tensor (table-free tables need positions)",
          "none");
+  return largest;
 }
 
 }  // namespace
+
+// The kernel reduces angles exactly while |position × frequency| < 2^51; 2^50 leaves room.
+constexpr double kMaxAngle = 0x1p50;
+
+double check_frequency_values(std::span<const double> frequencies, double amplitude,
+                              const std::string& frequencies_name,
+                              const std::string& amplitude_name) {
+  double largest = 0.0;
+  for (std::size_t i = 0; i < frequencies.size(); ++i) {
+    if (!std::isfinite(frequencies[i]))
+      fail(Status::invalid_argument, frequencies_name, "finite values",
+           number_string(frequencies[i]) + " at index " + to_string(i));
+    largest = std::max(largest, std::fabs(frequencies[i]));
+  }
+  if (!std::isfinite(amplitude))
+    fail(Status::invalid_argument, amplitude_name, "a finite value", number_string(amplitude));
+  return largest;
+}
+
+bool angle_in_range(int64_t position, double largest_frequency) {
+  return std::fabs(double(position)) * largest_frequency < kMaxAngle;
+}
+
+void fail_angle(int64_t position, double largest_frequency, const std::string& at) {
+  fail(Status::out_of_range, "positions",
+       "values whose angles |position × frequency| stay below 2^50 (|position| < " +
+           number_string(kMaxAngle / largest_frequency) + " for the largest frequency " +
+           number_string(largest_frequency) + ")",
+       to_string(position) + " at " + at);
+}
 
 ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                          const Operand* k, bool q_written) {
@@ -375,8 +394,9 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
          "value " + to_string(int(tables.width)));
   const bool table_free = tables.is_table_free();
   const int64_t columns = table_free ? rot.frequency_count : expected_columns(rot, tables.width);
+  double largest_frequency = 0.0;
   if (table_free) {
-    check_frequencies(rot, tables);
+    largest_frequency = check_frequencies(rot, tables);
   } else if (tables.width != TableWidth::full && rot.rotary_dim % 2 != 0) {
     fail(Status::invalid_argument, "tables.width", "full for an odd rotary_dim",
          width_name(tables.width));
@@ -457,12 +477,10 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
                           tables.width == TableWidth::full && tp.cos_lane == 1 && tp.sin_lane == 1;
   } else {
     const ConstTensorView& p = tables.positions;
-    if (table_free) {
-      // nothing: no cache to check
-    } else if (cos.rank != 2)
+    if (!table_free && cos.rank != 2)
       fail(Status::invalid_argument, "cos", "a [P, width] cache (rank 2) when positions are given",
            shape_string(cos));
-    else if (cos.shape[0] < 1)
+    if (!table_free && cos.shape[0] < 1)
       fail(Status::invalid_argument, "cos", "a cache with at least one row", shape_string(cos));
     if (p.dtype != DType::i32 && p.dtype != DType::i64)
       fail(Status::invalid_argument, "positions.dtype", "int32 or int64", dtype_name(p.dtype));
@@ -497,12 +515,10 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       pos_stride[i] = p.strides[i];
     }
     if (table_free) {
-      double largest = 0.0;
-      for (const double f : tables.frequencies) largest = std::max(largest, std::fabs(f));
       if (p.dtype == DType::i32)
-        check_positions_angle<std::int32_t>(p, largest);
+        check_positions_angle<std::int32_t>(p, largest_frequency);
       else
-        check_positions_angle<std::int64_t>(p, largest);
+        check_positions_angle<std::int64_t>(p, largest_frequency);
     } else if (p.dtype == DType::i32) {
       check_positions_range<std::int32_t>(p, cos.shape[0]);
     } else {
@@ -766,22 +782,17 @@ TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, 
   } else {
     int64_t op = 0;
     for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
-    auto position = [&](int64_t offset) -> int64_t {
-      return t.positions_dtype == DType::i32
-                 ? int64_t(reinterpret_cast<const std::int32_t*>(t.positions)[offset])
-                 : reinterpret_cast<const std::int64_t*>(t.positions)[offset];
-    };
     if (t.column_axis) {
       // One position per axis (MRoPE, grids): each column reads its own row.
       for (int64_t j = 0; j < rd; ++j) {
         const int64_t c = column(j);
-        const int64_t p = position(op + t.column_axis[c] * t.positions_axis_stride);
+        const int64_t p = position_at(t, op + t.column_axis[c] * t.positions_axis_stride);
         cos[j] = load_any(t.cos + p * t.cos_row * ecs, t.dtype_cos, c * t.cos_lane);
         sin[j] = load_any(t.sin + p * t.sin_row * ess, t.dtype_sin, c * t.sin_lane);
       }
       return {cos, sin};
     }
-    const int64_t p = position(op);
+    const int64_t p = position_at(t, op);
     crow = t.cos + p * t.cos_row * ecs;
     srow = t.sin + p * t.sin_row * ess;
     if (t.dtype_cos == DType::f32 && t.dtype_sin == DType::f32 && t.width == TableWidth::full &&

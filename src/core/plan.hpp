@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -67,6 +68,17 @@ struct ForwardPlan {
   TablePlan tables;
   std::int64_t bytes_moved = 0;  // for the threading decision
 };
+
+// Table-free tables: finite frequencies and amplitude (errors name the given arguments); returns
+// the largest |frequency|.
+double check_frequency_values(std::span<const double> frequencies, double amplitude,
+                              const std::string& frequencies_name,
+                              const std::string& amplitude_name);
+// Whether |position × largest_frequency| is in the cos/sin kernel's exact reduction range; else
+// fail_angle reports `position` (found at `at`, e.g. "index [0, 3]") for argument "positions".
+bool angle_in_range(std::int64_t position, double largest_frequency);
+[[noreturn]] void fail_angle(std::int64_t position, double largest_frequency,
+                             const std::string& at);
 
 // q_written = false: q.out is ignored (backward without dx).
 ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,

@@ -7,14 +7,14 @@ promotion and the op) and ``torch.ops.rome.rope`` alone. Medians of samples of 5
 and 2 threads with torch.set_num_threads; output allocation (as in the model) included.
 """
 
-import statistics
-import time
 from typing import Callable, Dict
 
 import torch
 
 import rome
 import rome.hf
+
+from .measure import median_per_call_s
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -28,15 +28,7 @@ def _transformers(q, k, cos, sin, unsqueeze_dim=1):
 
 
 def _median_us(fn: Callable[[], object], samples: int, inner: int = 500) -> float:
-    for _ in range(inner):
-        fn()
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times) * 1e6
+    return median_per_call_s(fn, samples, inner) * 1e6
 
 
 def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None] = print) -> Dict:

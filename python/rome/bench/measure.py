@@ -11,6 +11,20 @@ import torch
 
 from .rows import Inputs, matrix64
 
+def median_per_call_s(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
+    """Seconds per call: `inner` warm-up calls, then the median over `samples` runs of `inner`
+    back-to-back calls each (inner > 1 for calls of microseconds)."""
+    for _ in range(inner):
+        fn()
+    times = []
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(inner):
+            fn()
+        times.append((time.perf_counter() - t0) / inner)
+    return statistics.median(times)
+
+
 # Precision bound for the metric max(min(abs err, rel err)), per method: half an epsilon of the
 # output dtype (the final rounding, unavoidable) plus 8 epsilons of the dtype the method computes
 # in (bf16 math with bf16 tables rounds about 4 times per output). Epsilons: bf16 2^-7, fp16

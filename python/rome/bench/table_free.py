@@ -18,13 +18,13 @@ Left out: building the table
 start-up (pools warm).
 """
 
-import statistics
-import time
 from typing import Callable, Dict
 
 import torch
 
 import rome
+
+from .measure import median_per_call_s
 
 THETA = 500000.0
 POSITIONS = [4096, 131072, 1048576, 10485760]
@@ -60,14 +60,7 @@ def _errors(pos: torch.Tensor, dim: int = 128) -> Dict[str, float]:
 
 
 def _median_ms(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
-    fn()
-    times = []
-    for _ in range(samples):
-        t0 = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        times.append((time.perf_counter() - t0) / inner)
-    return statistics.median(times) * 1e3
+    return median_per_call_s(fn, samples, inner) * 1e3
 
 
 def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None] = print) -> Dict:
