@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Builds the libFuzzer targets fuzz-build/fuzz_rope and fuzz-build/fuzz_fused (clang++-14, ASan +
-# UBSan; fuzz_fused covers qk_norm_rope and rope_and_cache_kv) from the library
-# sources, mirroring the top-level CMakeLists.txt: one set of flags per kernel ISA directory, and
+# Builds the libFuzzer targets fuzz-build/fuzz_rope, fuzz_fused and fuzz_table_free (clang++-14,
+# ASan + UBSan; fuzz_fused covers qk_norm_rope and rope_and_cache_kv, fuzz_table_free the
+# frequency form of the tables) from the library sources, mirroring the top-level CMakeLists.txt: one set of flags per kernel ISA directory, and
 # ROME_HAVE_<ISA> for src/core/dispatch.cpp for each kernel directory that has sources.
 #
 #   fuzz/build.sh                 build (incremental: objects are rebuilt when a source is newer)
@@ -33,6 +33,15 @@ amx=("${avx512[@]}" -mavx512bf16 -mamx-tile -mamx-bf16)
 
 objects=()
 defines=()
+# Objects compile in the background, one per core; wait_compiles collects them (any failure
+# stops the build) before a link.
+max_jobs="$(nproc)"
+compile_pids=()
+wait_compiles() {
+  local pid
+  for pid in "${compile_pids[@]}"; do wait "$pid"; done
+  compile_pids=()
+}
 compile() {  # source, extra flags...
   local src="$1"; shift
   local flags=("${common[@]}")
@@ -42,7 +51,9 @@ compile() {  # source, extra flags...
   # Rebuild when the source or any header under include/ src/ is newer than the object.
   if [[ ! -f "$obj" || "$src" -nt "$obj" || "$root/fuzz/build.sh" -nt "$obj" ]] || [[ -n "$(find "$root/include" "$root/src" -name '*.hpp' -newer "$obj" -print -quit)" ]]; then
     echo "  CXX $src"
-    "$CXX" "${flags[@]}" "$@" -c "$src" -o "$obj"
+    while (( $(jobs -rp | wc -l) >= max_jobs )); do sleep 0.2; done
+    "$CXX" "${flags[@]}" "$@" -c "$src" -o "$obj" &
+    compile_pids+=($!)
   fi
   objects+=("$obj")
 }
@@ -70,11 +81,16 @@ fi
 for s in "$root"/src/core/*.cpp; do compile "$s" "${defines[@]}"; done
 library=("${objects[@]}")
 compile "$root/fuzz/fuzz_rope.cpp" --harness
-"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_rope"
-objects=("${library[@]}")
 compile "$root/fuzz/fuzz_fused.cpp" --harness
+compile "$root/fuzz/fuzz_table_free.cpp" --harness
+wait_compiles
+objects=("${library[@]}" "$out/obj/fuzz_fuzz_rope.cpp.o")
+"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_rope"
+objects=("${library[@]}" "$out/obj/fuzz_fuzz_fused.cpp.o")
 "$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_fused"
-echo "built $out/fuzz_rope and $out/fuzz_fused (kernels: scalar ${defines[*]})"
+objects=("${library[@]}" "$out/obj/fuzz_fuzz_table_free.cpp.o")
+"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_table_free"
+echo "built $out/fuzz_rope, $out/fuzz_fused and $out/fuzz_table_free (kernels: scalar ${defines[*]})"
 
 case "${1:-}" in
   run|smoke)
@@ -126,6 +142,27 @@ case "${1:-}" in
     fi
     execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$flog" | grep -o '[0-9]*$' || echo '?')
     echo "fuzz_fused: $execs executions in at most ${fused_seconds}s; corpus ${fused_corpus#$root/} $(ls "$fused_corpus" | wc -l) files"
+    [[ $status -ne 0 ]] && exit $status
+    # Table-free RoPE (fuzz/fuzz_table_free.cpp): as long as the fused run.
+    free_limits=()
+    [[ "$1" == smoke ]] && free_limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_TABLE_FREE_RUNS:-20000}")
+    free_corpus="$corpus-table-free"
+    [[ "$1" == smoke ]] && rm -rf "$free_corpus"
+    mkdir -p "$free_corpus"
+    tlog="$out/fuzz-table-free-$(date +%Y%m%d-%H%M%S).log"
+    set +e
+    ( cd "$out" && ROME_FUZZ_STATS=1 ./fuzz_table_free -max_total_time="$fused_seconds" -max_len=512 \
+        -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "${free_limits[@]}" "$free_corpus" ) > "$tlog" 2>&1
+    status=$?
+    set -e
+    if [[ $status -ne 0 ]]; then
+      grep -v '^#[0-9]' "$tlog" | tail -n 60
+      echo "fuzz_table_free: FAILED (exit $status); the input is in $out/crash-* (rerun: $out/fuzz_table_free FILE)"
+    else
+      grep '^fuzz_table_free:' "$tlog" || true
+    fi
+    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$tlog" | grep -o '[0-9]*$' || echo '?')
+    echo "fuzz_table_free: $execs executions in at most ${fused_seconds}s; corpus ${free_corpus#$root/} $(ls "$free_corpus" | wc -l) files"
     exit $status ;;
   corpus)
     "$CXX" -std=c++20 -O1 "$root/fuzz/make_corpus.cpp" -o "$out/make_corpus"

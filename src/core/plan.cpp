@@ -428,8 +428,10 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   tp.sin = static_cast<const char*>(sin.data);
   tp.dtype_cos = cos.dtype;
   tp.dtype_sin = sin.dtype;
-  tp.cos_lane = cos.strides[cos.rank - 1];
-  tp.sin_lane = sin.strides[sin.rank - 1];
+  if (!table_free) {  // table-free tables have no cos/sin views (rank 0)
+    tp.cos_lane = cos.strides[cos.rank - 1];
+    tp.sin_lane = sin.strides[sin.rank - 1];
+  }
   tp.width = tables.width;
   tp.negate_sin = tables.inverse;
   tp.columns = columns;
