@@ -68,11 +68,12 @@ test-cpp: build
 test-isa: build
 	@for isa in scalar avx2 avx512 amx; do \
 	  echo "== ROME_MAX_ISA=$$isa"; \
-	  if ! ROME_MAX_ISA=$$isa ./build/rome_example | grep -q " on $$isa$$"; then \
-	    echo "skipped: this CPU has no $$isa (rome_example ran on $$(./build/rome_example | sed 's/.* on //'))"; \
+	  example=$$(ROME_MAX_ISA=$$isa ./build/rome_example); \
+	  echo "$$example"; \
+	  if [[ "$$example" != *" on $$isa" ]]; then \
+	    echo "skipped: this CPU has no $$isa (rome_example ran on $${example##* on })"; \
 	    continue; \
 	  fi; \
-	  ROME_MAX_ISA=$$isa ./build/rome_example; \
 	  ROME_MAX_ISA=$$isa bash tests/run_gtest_shards.sh $(JOBS) ./build/rome_tests --gtest_brief=1 \
 	    --gtest_filter='*Simd*:RopeQK*:Backward*:Validation*'; \
 	done

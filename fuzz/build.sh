@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Builds the libFuzzer targets fuzz-build/fuzz_rope, fuzz_fused and fuzz_table_free (clang++-14,
 # ASan + UBSan; fuzz_fused covers qk_norm_rope and rope_and_cache_kv, fuzz_table_free the
-# frequency form of the tables) from the library sources, mirroring the top-level CMakeLists.txt: one set of flags per kernel ISA directory, and
-# ROME_HAVE_<ISA> for src/core/dispatch.cpp for each kernel directory that has sources.
+# frequency form of the tables) from the library sources, mirroring the top-level
+# CMakeLists.txt: one set of flags per kernel ISA directory, and ROME_HAVE_<ISA> for src/core/dispatch.cpp for each kernel directory that has sources.
 #
 #   fuzz/build.sh                 build (incremental: objects are rebuilt when a source is newer)
 #   fuzz/build.sh run SECONDS     build, then fuzz for SECONDS (new inputs go to fuzz-build/corpus;
@@ -48,8 +48,8 @@ compile() {  # source, extra flags...
   if [[ "${1:-}" == --harness ]]; then flags=("${harness[@]}"); shift; fi
   if [[ "${1:-}" == --simd ]]; then flags=("${simd[@]}"); shift; fi
   local obj="$out/obj/$(echo "${src#$root/}" | tr '/' '_').o"
-  # Rebuild when the source or any header under include/ src/ is newer than the object.
-  if [[ ! -f "$obj" || "$src" -nt "$obj" || "$root/fuzz/build.sh" -nt "$obj" ]] || [[ -n "$(find "$root/include" "$root/src" -name '*.hpp' -newer "$obj" -print -quit)" ]]; then
+  # Rebuild when the source or any header under include/ src/ fuzz/ is newer than the object.
+  if [[ ! -f "$obj" || "$src" -nt "$obj" || "$root/fuzz/build.sh" -nt "$obj" ]] || [[ -n "$(find "$root/include" "$root/src" "$root/fuzz" -name '*.hpp' -newer "$obj" -print -quit)" ]]; then
     echo "  CXX $src"
     while (( $(jobs -rp | wc -l) >= max_jobs )); do sleep 0.2; done
     "$CXX" "${flags[@]}" "$@" -c "$src" -o "$obj" &
@@ -80,90 +80,59 @@ if [[ ! -f "$stamp" || "$(cat "$stamp")" != "${defines[*]}" ]]; then
 fi
 for s in "$root"/src/core/*.cpp; do compile "$s" "${defines[@]}"; done
 library=("${objects[@]}")
-compile "$root/fuzz/fuzz_rope.cpp" --harness
-compile "$root/fuzz/fuzz_fused.cpp" --harness
-compile "$root/fuzz/fuzz_table_free.cpp" --harness
+targets=(fuzz_rope fuzz_fused fuzz_table_free)
+for target in "${targets[@]}"; do compile "$root/fuzz/$target.cpp" --harness; done
 wait_compiles
-objects=("${library[@]}" "$out/obj/fuzz_fuzz_rope.cpp.o")
-"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_rope"
-objects=("${library[@]}" "$out/obj/fuzz_fuzz_fused.cpp.o")
-"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_fused"
-objects=("${library[@]}" "$out/obj/fuzz_fuzz_table_free.cpp.o")
-"$CXX" -fsanitize=fuzzer,address,undefined "${objects[@]}" -lpthread -o "$out/fuzz_table_free"
+for target in "${targets[@]}"; do
+  "$CXX" -fsanitize=fuzzer,address,undefined "${library[@]}" "$out/obj/fuzz_$target.cpp.o" -lpthread \
+    -o "$out/$target"
+done
 echo "built $out/fuzz_rope, $out/fuzz_fused and $out/fuzz_table_free (kernels: scalar ${defines[*]})"
+
+# Runs fuzz-build/NAME for at most SECONDS on CORPUS (then the read-only corpus directories
+# given after it); in smoke mode from an empty CORPUS with a fixed seed and RUNS inputs. Prints
+# the outcome counts the target logs (ROME_FUZZ_STATS), or the failure, and stops on one.
+fuzz_target() {  # mode name seconds max_len runs corpus [read-only corpus...]
+  local mode="$1" name="$2" seconds="$3" max_len="$4" runs="$5" corpus="$6"
+  shift 6
+  local limits=() log status execs
+  if [[ "$mode" == smoke ]]; then
+    rm -rf "$corpus"
+    limits=(-seed="${FUZZ_SEED:-1}" -runs="$runs")
+  fi
+  mkdir -p "$corpus"
+  log="$out/$name-$(date +%Y%m%d-%H%M%S).log"
+  echo "$name: $mode for at most ${seconds}s ${limits[*]} (ROME_FUZZ_SKIP='${ROME_FUZZ_SKIP:-}'), log $log"
+  set +e
+  ( cd "$out" && ROME_FUZZ_STATS=1 "./$name" -max_total_time="$seconds" -max_len="$max_len" \
+      -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "${limits[@]}" "$corpus" "$@" ) > "$log" 2>&1
+  status=$?
+  set -e
+  if [[ $status -ne 0 ]]; then
+    grep -v '^#[0-9]' "$log" | tail -n 80
+    echo "$name: FAILED (exit $status); the input is in $out/crash-* (rerun: $out/$name FILE)"
+    exit $status
+  fi
+  { grep -E '^ +[0-9]+  ' "$log" || true; } | sort -rn | head -n 40  # outcomes and errors, by count
+  execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
+  echo "$name: $execs executions in at most ${seconds}s; corpus ${corpus#$root/} $(ls "$corpus" | wc -l) files"
+}
 
 case "${1:-}" in
   run|smoke)
     if [[ "$1" == smoke ]]; then
       seconds=75
       corpus="$out/smoke-corpus"
-      rm -rf "$corpus"
-      limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_RUNS:-15000}")
     else
       seconds="${2:-60}"
       corpus="$out/corpus"
-      limits=()
     fi
-    mkdir -p "$corpus"
-    log="$out/fuzz-$(date +%Y%m%d-%H%M%S).log"
-    echo "fuzzing $1 for at most ${seconds}s ${limits[*]} (ROME_FUZZ_SKIP='${ROME_FUZZ_SKIP:-}'), log $log"
-    set +e
-    ( cd "$out" && ROME_FUZZ_STATS=1 ./fuzz_rope -max_total_time="$seconds" -max_len=4096 \
-        -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "${limits[@]}" "$corpus" "$root/fuzz/corpus" ) > "$log" 2>&1
-    status=$?
-    set -e
-    if [[ $status -ne 0 ]]; then
-      grep -v '^#[0-9]' "$log" | tail -n 80
-      echo "fuzz: FAILED (exit $status); the input is in $out/crash-* (rerun: $out/fuzz_rope FILE)"
-    else
-      grep -E '^ +[0-9]+  ' "$log" | sort -rn | head -n 40  # errors raised, by status and argument
-    fi
-    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$log" | grep -o '[0-9]*$' || echo '?')
-    echo "fuzz: $execs executions; corpus ${corpus#$root/} $(ls "$corpus" | wc -l) files ($(cat "$corpus"/* 2>/dev/null | wc -c) bytes), fuzz/corpus $(ls "$root/fuzz/corpus" | wc -l) files ($(cat "$root"/fuzz/corpus/* | wc -c) bytes)"
-    [[ $status -ne 0 ]] && exit $status
-    # The fused passes (fuzz/fuzz_fused.cpp): a fifth of the time, from an empty corpus.
-    fused_seconds=$(( seconds / 5 > 10 ? seconds / 5 : 10 ))
-    fused_limits=()
-    [[ "$1" == smoke ]] && fused_limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_FUSED_RUNS:-20000}")
-    fused_corpus="$corpus-fused"
-    [[ "$1" == smoke ]] && rm -rf "$fused_corpus"
-    mkdir -p "$fused_corpus"
-    flog="$out/fuzz-fused-$(date +%Y%m%d-%H%M%S).log"
-    set +e
-    ( cd "$out" && ROME_FUZZ_STATS=1 ./fuzz_fused -max_total_time="$fused_seconds" -max_len=256 -timeout=30 \
-        -rss_limit_mb=4096 -print_final_stats=1 "${fused_limits[@]}" "$fused_corpus" ) > "$flog" 2>&1
-    status=$?
-    set -e
-    if [[ $status -ne 0 ]]; then
-      grep -v '^#[0-9]' "$flog" | tail -n 60
-      echo "fuzz_fused: FAILED (exit $status); the input is in $out/crash-* (rerun: $out/fuzz_fused FILE)"
-    else
-      grep -E '^ +[0-9]+  ' "$flog" | sort -rn | head -n 20  # outcomes
-    fi
-    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$flog" | grep -o '[0-9]*$' || echo '?')
-    echo "fuzz_fused: $execs executions in at most ${fused_seconds}s; corpus ${fused_corpus#$root/} $(ls "$fused_corpus" | wc -l) files"
-    [[ $status -ne 0 ]] && exit $status
-    # Table-free RoPE (fuzz/fuzz_table_free.cpp): as long as the fused run.
-    free_limits=()
-    [[ "$1" == smoke ]] && free_limits=(-seed="${FUZZ_SEED:-1}" -runs="${FUZZ_TABLE_FREE_RUNS:-20000}")
-    free_corpus="$corpus-table-free"
-    [[ "$1" == smoke ]] && rm -rf "$free_corpus"
-    mkdir -p "$free_corpus"
-    tlog="$out/fuzz-table-free-$(date +%Y%m%d-%H%M%S).log"
-    set +e
-    ( cd "$out" && ROME_FUZZ_STATS=1 ./fuzz_table_free -max_total_time="$fused_seconds" -max_len=512 \
-        -timeout=30 -rss_limit_mb=4096 -print_final_stats=1 "${free_limits[@]}" "$free_corpus" ) > "$tlog" 2>&1
-    status=$?
-    set -e
-    if [[ $status -ne 0 ]]; then
-      grep -v '^#[0-9]' "$tlog" | tail -n 60
-      echo "fuzz_table_free: FAILED (exit $status); the input is in $out/crash-* (rerun: $out/fuzz_table_free FILE)"
-    else
-      grep '^fuzz_table_free:' "$tlog" || true
-    fi
-    execs=$(grep -o 'stat::number_of_executed_units: *[0-9]*' "$tlog" | grep -o '[0-9]*$' || echo '?')
-    echo "fuzz_table_free: $execs executions in at most ${fused_seconds}s; corpus ${free_corpus#$root/} $(ls "$free_corpus" | wc -l) files"
-    exit $status ;;
+    fuzz_target "$1" fuzz_rope "$seconds" 4096 "${FUZZ_RUNS:-15000}" "$corpus" "$root/fuzz/corpus"
+    # The fused passes and table-free RoPE: a fifth of the time each, from an empty corpus.
+    other_seconds=$(( seconds / 5 > 10 ? seconds / 5 : 10 ))
+    fuzz_target "$1" fuzz_fused "$other_seconds" 256 "${FUZZ_FUSED_RUNS:-20000}" "$corpus-fused"
+    fuzz_target "$1" fuzz_table_free "$other_seconds" 512 "${FUZZ_TABLE_FREE_RUNS:-20000}" \
+      "$corpus-table-free" ;;
   corpus)
     "$CXX" -std=c++20 -O1 "$root/fuzz/make_corpus.cpp" -o "$out/make_corpus"
     mkdir -p "$root/fuzz/corpus" && rm -f "$root"/fuzz/corpus/seed-*  # keep regression-* inputs

@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_support.hpp"
 #include "rome/rome.hpp"
 
 namespace {
@@ -28,18 +29,10 @@ namespace {
 using namespace rome;
 using i64 = std::int64_t;
 
-struct Reader {
-  const std::uint8_t* data;
-  std::size_t size;
-  std::size_t pos = 0;
-  unsigned byte() { return pos < size ? data[pos++] : 0; }
-  i64 below(i64 n) { return n <= 1 ? 0 : i64(byte() % unsigned(n)); }
-  bool rare(unsigned one_in) { return byte() % one_in == one_in - 1; }
-};
+using fuzzing::Reader;
 
 [[noreturn]] void bug(const std::string& what) {
-  std::fprintf(stderr, "fuzz_fused: %s\n", what.c_str());
-  std::abort();
+  fuzzing::report_bug("fuzz_fused", what);
 }
 
 struct Buffer {
@@ -224,20 +217,8 @@ Outcome call(const Case& c, World& w, int threads) {
   return o;
 }
 
-// Outcomes by kind, printed at exit (ROME_FUZZ_STATS=1): shows the fuzzer reaches successful
-// calls of both passes as well as every error.
-struct Stats {
-  std::vector<std::pair<std::string, long>> counts;
-  void add(const std::string& key) {
-    for (auto& [k, n] : counts)
-      if (k == key) return void(++n);
-    counts.push_back({key, 1});
-  }
-  ~Stats() {
-    if (!std::getenv("ROME_FUZZ_STATS")) return;
-    for (const auto& [k, n] : counts) std::fprintf(stderr, "%10ld  %s\n", n, k.c_str());
-  }
-} g_stats;
+// Shows the fuzzer reaches successful calls of both passes as well as every error.
+fuzzing::OutcomeCounts g_stats;
 
 bool same_bits(World& a, World& b) {
   const auto x = a.all(), y = b.all();

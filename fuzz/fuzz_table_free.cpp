@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "fuzz_support.hpp"
 #include "rome/rome.hpp"
 
 namespace {
@@ -33,30 +34,14 @@ namespace {
 using namespace rome;
 using i64 = std::int64_t;
 
-struct Reader {
-  const std::uint8_t* data;
-  std::size_t size;
-  std::size_t pos = 0;
-  unsigned byte() { return pos < size ? data[pos++] : 0; }
-  i64 below(i64 n) { return n <= 1 ? 0 : i64(byte() % unsigned(n)); }
-  bool rare(unsigned one_in) { return byte() % one_in == one_in - 1; }
-};
+using fuzzing::Reader;
 
 [[noreturn]] void bug(const std::string& what) {
-  std::fprintf(stderr, "fuzz_table_free: %s\n", what.c_str());
-  std::abort();
+  fuzzing::report_bug("fuzz_table_free", what);
 }
 
-// Outcomes by kind, printed at exit with ROME_FUZZ_STATS=1 (is the valid path reached?).
-struct Stats {
-  long valid = 0, rejected = 0, near_limit = 0;
-  ~Stats() {
-    if (std::getenv("ROME_FUZZ_STATS"))
-      std::fprintf(stderr,
-                   "fuzz_table_free: %ld valid calls checked, %ld rejected, %ld near the limit\n",
-                   valid, rejected, near_limit);
-  }
-} stats;
+// Does the fuzzer reach valid calls as well as rejected ones?
+fuzzing::OutcomeCounts stats;
 
 std::uint64_t next(std::uint64_t& seed) {
   seed = seed * 6364136223846793005ull + 1442695040888963407ull;
@@ -161,17 +146,16 @@ Rotation decode_rotation(Reader& R, i64 hd, std::uint64_t& seed, i64& offset) {
   return Rotation::half(hd);
 }
 
-struct Shape {
-  std::vector<i64> dims;
-  i64 numel() const {
-    i64 n = 1;
-    for (i64 d : dims) n *= d;
-    return n;
-  }
-};
+i64 numel(const std::vector<i64>& shape) {
+  i64 n = 1;
+  for (i64 d : shape) n *= d;
+  return n;
+}
 
-ConstTensorView const_view(const void* data, DType dtype, const std::vector<i64>& shape) {
-  ConstTensorView v;
+// A row-major view of `shape` (make_view takes an initializer list; these shapes are built).
+template <typename Pointer>
+BasicView<Pointer> row_major_view(Pointer data, DType dtype, const std::vector<i64>& shape) {
+  BasicView<Pointer> v;
   v.data = data;
   v.dtype = dtype;
   v.rank = int(shape.size());
@@ -184,19 +168,6 @@ ConstTensorView const_view(const void* data, DType dtype, const std::vector<i64>
   return v;
 }
 
-TensorView mutable_view(void* data, DType dtype, const std::vector<i64>& shape) {
-  const ConstTensorView c = const_view(data, dtype, shape);
-  TensorView v;
-  v.data = data;
-  v.dtype = dtype;
-  v.rank = c.rank;
-  for (int i = 0; i < v.rank; ++i) {
-    v.shape[i] = c.shape[i];
-    v.strides[i] = c.strides[i];
-  }
-  return v;
-}
-
 struct Tensor {
   std::vector<i64> shape;
   DType dtype = DType::f32;
@@ -205,8 +176,8 @@ struct Tensor {
 
 Operand operand(Tensor& t) {
   Operand o;
-  o.in = const_view(t.in.data(), t.dtype, t.shape);
-  o.out = mutable_view(t.out.empty() ? t.in.data() : t.out.data(), t.dtype, t.shape);
+  o.in = row_major_view<const void*>(t.in.data(), t.dtype, t.shape);
+  o.out = row_major_view<void*>(t.out.empty() ? t.in.data() : t.out.data(), t.dtype, t.shape);
   return o;
 }
 
@@ -256,9 +227,9 @@ int run(const std::uint8_t* data, std::size_t size) {
     return {B * S, heads, hd};
   };
   Tensor q{shape_of(N), dtype}, k{shape_of(NK), dtype};
-  q.in = random_x(dtype, Shape{q.shape}.numel(), seed);
+  q.in = random_x(dtype, numel(q.shape), seed);
   if (R.below(2)) q.out.assign(q.in.size(), 0xff);  // NaN-like bytes where nothing was written
-  k.in = random_x(dtype, Shape{k.shape}.numel(), seed);
+  k.in = random_x(dtype, numel(k.shape), seed);
   if (R.below(2)) k.out.assign(k.in.size(), 0xff);
 
   // Positions: x's shape without the last axis, each axis kept or 1 (the head axis always 1,
@@ -274,7 +245,7 @@ int run(const std::uint8_t* data, std::size_t size) {
   const bool multi_axis = R.rare(4);
   const i64 axes = multi_axis ? 1 + R.below(3) : 0;
   if (multi_axis) pos_shape.push_back(axes);
-  const i64 position_count = Shape{pos_shape}.numel();
+  const i64 position_count = numel(pos_shape);
   const DType pos_dtype = R.below(2) ? DType::i64 : DType::i32;
   const i64 range = R.rare(4) ? (i64(1) << 31) - 1 : 1 + R.below(5000);
   const bool far = pos_dtype == DType::i64 && R.rare(8);  // positions near 2^40
@@ -331,14 +302,14 @@ int run(const std::uint8_t* data, std::size_t size) {
   for (i64 i = 0; valid && i < position_count; ++i) {
     const double angle = std::fabs(double(positions[i])) * largest;
     if (angle >= 0x1p49 && angle < 0x1p51) {  // too near the limit to model
-      ++stats.near_limit;
+      stats.add("near the limit (input dropped)");
       return -1;
     }
     if (angle >= 0x1p50) valid = false;
   }
 
   Tables tables;
-  tables.positions = const_view(pos_bytes.data(), pos_dtype, pos_shape);
+  tables.positions = row_major_view<const void*>(pos_bytes.data(), pos_dtype, pos_shape);
   tables.frequencies = frequencies;
   tables.amplitude = amplitude;
   tables.column_axis = column_axis;
@@ -361,7 +332,7 @@ int run(const std::uint8_t* data, std::size_t size) {
     if (valid) bug("a valid call was rejected: " + error);
     if (q.in != q0.in || q.out != q0.out || k.in != k0.in || k.out != k0.out)
       bug("a rejected call wrote an output: " + error);
-    ++stats.rejected;
+    stats.add("rejected");
     return 0;
   }
   if (!valid) bug("an invalid call succeeded (pairing " + std::to_string(pairing) + ")");
@@ -369,7 +340,7 @@ int run(const std::uint8_t* data, std::size_t size) {
   // The reference: direct fp32 tables [rows, rd] from exact_cos_sin_rows, lane by lane.
   std::vector<i64> x_rows = q.shape;
   x_rows.pop_back();
-  const i64 rows = Shape{x_rows}.numel();
+  const i64 rows = numel(x_rows);
   const i64 n = i64(frequencies.size());
   std::vector<float> C(static_cast<std::size_t>(rows * rd)), S_(std::size_t(rows * rd));
   std::vector<float> c_row(static_cast<std::size_t>(2 * n)), s_row(std::size_t(2 * n));
@@ -388,8 +359,8 @@ int run(const std::uint8_t* data, std::size_t size) {
   std::vector<i64> table_shape = x_rows;
   table_shape.push_back(rd);
   Tables direct;
-  direct.cos = const_view(C.data(), DType::f32, table_shape);
-  direct.sin = const_view(S_.data(), DType::f32, table_shape);
+  direct.cos = row_major_view<const void*>(C.data(), DType::f32, table_shape);
+  direct.sin = row_major_view<const void*>(S_.data(), DType::f32, table_shape);
   // k's rows: its own shape (fewer heads), tables with one head broadcast.
   std::vector<i64> k_table_shape = table_shape;
   k_table_shape[head_axis] = 1;
@@ -415,8 +386,8 @@ int run(const std::uint8_t* data, std::size_t size) {
       ks.insert(ks.end(), S_.begin() + r * rd, S_.begin() + (r + 1) * rd);
     }
     Tables kt;
-    kt.cos = const_view(kc.data(), DType::f32, k_table_shape);
-    kt.sin = const_view(ks.data(), DType::f32, k_table_shape);
+    kt.cos = row_major_view<const void*>(kc.data(), DType::f32, k_table_shape);
+    kt.sin = row_major_view<const void*>(ks.data(), DType::f32, k_table_shape);
     Operand ok = operand(rk);
     rope_forward(rotation, kt, ok, nullptr, one);
   }
@@ -426,7 +397,7 @@ int run(const std::uint8_t* data, std::size_t size) {
   if (!q.out.empty() && q.in != q0.in) bug("out of place wrote q's input");
   if (!k.out.empty() && k.in != k0.in) bug("out of place wrote k's input");
   if (!with_k && (k.in != k0.in || k.out != k0.out)) bug("k was written without being passed");
-  ++stats.valid;
+  stats.add("valid, equal to the reference");
   return 0;
 }
 
