@@ -3,6 +3,9 @@
 Every test runs once per instruction set this build carries and this machine (and
 ROME_MAX_ISA) allows, selected with rome.set_max_isa; the header lists the ISAs run and the ones
 skipped with the reason. ROME_TEST_ISAS=scalar,avx512 narrows the list (e.g. for a quick run).
+A test marked `one_isa` runs on the highest ISA only: opcheck checks the op's registration
+(schema, fake/meta kernel, autograd, AOT dispatch), which no ISA changes, and every ISA's numbers
+are checked by the reference tests; running it per ISA doubled the suite's time.
 """
 
 import os
@@ -55,9 +58,16 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.write_line(line)
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "one_isa: run on the highest ISA under test only")
+
+
 def pytest_generate_tests(metafunc):
     if "isa" in metafunc.fixturenames:
-        metafunc.parametrize("isa", ISAS_UNDER_TEST, indirect=True, scope="function")
+        isas = ISAS_UNDER_TEST
+        if metafunc.definition.get_closest_marker("one_isa") and isas:
+            isas = isas[-1:]
+        metafunc.parametrize("isa", isas, indirect=True, scope="function")
 
 
 @pytest.fixture(autouse=True)

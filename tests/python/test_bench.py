@@ -2,8 +2,7 @@
 precision is within its dtype's bound (RoME's within the fp32 matrix reference rounded to bf16).
 
 The benchmark runs once per session in a subprocess (its threads and allocator settings must not
-leak into this process); conftest.py runs tests once per ISA, so the checks run on the highest
-ISA only.
+leak into this process) on the highest ISA, so the checks are marked `one_isa`.
 """
 
 import csv
@@ -15,16 +14,10 @@ from pathlib import Path
 
 import pytest
 
-import conftest
 import rome
 from rome.bench import report, rows
 
 ROWS = rows.ROW_KEYS
-
-
-def _only_once(isa):
-    if conftest.ISAS_UNDER_TEST and isa != conftest.ISAS_UNDER_TEST[-1]:
-        pytest.skip("the benchmark subprocess uses the highest ISA; checked once")
 
 
 def _env():
@@ -48,8 +41,8 @@ def quick_run(tmp_path_factory):
     return out, proc
 
 
+@pytest.mark.one_isa
 def test_files_written(quick_run, isa):
-    _only_once(isa)
     out, proc = quick_run
     for ext in ("md", "csv", "json", "png"):
         path = out / f"bench.{ext}"
@@ -69,8 +62,8 @@ def test_files_written(quick_run, isa):
     assert "rome.hf.apply_rotary_pos_emb" in (out / "hf_decode.md").read_text()
 
 
+@pytest.mark.one_isa
 def test_terminal_output(quick_run, isa):
-    _only_once(isa)
     _, proc = quick_run
     assert "RoME benchmark" in proc.stdout
     assert "CPU:" in proc.stdout and "threads:" in proc.stdout and "torch" in proc.stdout
@@ -78,8 +71,8 @@ def test_terminal_output(quick_run, isa):
     assert proc.stderr.count("[") >= len(ROWS)  # progress lines
 
 
+@pytest.mark.one_isa
 def test_every_cell_timed_or_explained(quick_run, isa):
-    _only_once(isa)
     out, _ = quick_run
     results = json.loads((out / "bench.json").read_text())
     assert [r["row"] for r in results["rows"]] == ROWS
@@ -95,10 +88,10 @@ def test_every_cell_timed_or_explained(quick_run, isa):
             assert r["methods"][key].get("median_s", 0) > 0, (r["row"], key, r["methods"][key])
 
 
+@pytest.mark.one_isa
 def test_matrix_path_rows(quick_run, isa):
     """Dense rows and the forced row run RoME's matrix path, report its GFLOP/s and appear in the
     Matrix path table; the permutation rows run the permute path."""
-    _only_once(isa)
     out, proc = quick_run
     results = json.loads((out / "bench.json").read_text())
     matrix_rows = [r for r in results["rows"] if r["matrix"] != "rotate"]
@@ -115,8 +108,8 @@ def test_matrix_path_rows(quick_run, isa):
     assert "Matrix path" in proc.stdout and "## Matrix path" in (out / "bench.md").read_text()
 
 
+@pytest.mark.one_isa
 def test_precision_within_bounds(quick_run, isa):
-    _only_once(isa)
     out, _ = quick_run
     results = json.loads((out / "bench.json").read_text())
     for r in results["rows"]:
@@ -131,8 +124,8 @@ def test_precision_within_bounds(quick_run, isa):
         assert r["fp32_reference_error"]["max_min_abs_rel"] <= 2.0 ** -8 * 1.0001
 
 
+@pytest.mark.one_isa
 def test_unknown_row_rejected(tmp_path, isa):
-    _only_once(isa)
     proc = subprocess.run([sys.executable, "-m", "rome.bench", "--rows", "nope", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2 and "unknown rows" in proc.stderr

@@ -88,6 +88,7 @@ def test_matrices_match_definitions():
 # opcheck
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("tables", TABLES)
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -101,6 +102,7 @@ def test_opcheck_rope(dtype, layout, tables):
     opcheck(torch.ops.rome.rope.default, (q, None, cos, sin), {"positions": positions})
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("tables", ("11SD", "BNSD", "SD", "pos_B1S"))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -112,6 +114,7 @@ def test_opcheck_rope_inplace(dtype, layout, tables):
     opcheck(torch.ops.rome.rope_.default, (q, None, cos, sin), {"positions": positions})
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("tables", ("T1D", "positions"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_opcheck_rope_packed_tokens(dtype, tables):
@@ -157,6 +160,7 @@ def variant_args(name, requires_grad=True):
     return kw, width
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 @pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float32), ids=dtype_id)
 def test_opcheck_rope_variants(dtype, variant):
@@ -169,6 +173,7 @@ def test_opcheck_rope_variants(dtype, variant):
     opcheck(torch.ops.rome.rope.default, (q, k, cache_cos, cache_sin), dict(kw, positions=positions))
 
 
+@pytest.mark.one_isa
 def test_opcheck_rope_mrope():
     sections = [2, 3, 3]  # D = 16
     cos, sin, column_axis = rome.tables.mrope_cache(40, D, sections)
@@ -179,6 +184,7 @@ def test_opcheck_rope_mrope():
             {"positions": positions, "column_axis": column_axis})
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("tables", ("11SD", "B1SD", "BNSD", "SD"))
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
@@ -208,6 +214,7 @@ def vllm_inputs(dtype, shape, rotary_dim, heads=4, kv_heads=2, head=D, max_pos=6
     return positions, query, key, cache, qkv
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("rotary_dim", (D, D // 2))
 @pytest.mark.parametrize("is_neox", (True, False))
 @pytest.mark.parametrize("shape", ("t_hd", "thd", "bsd"))
@@ -218,6 +225,7 @@ def test_opcheck_rotary_embedding(dtype, shape, is_neox, rotary_dim):
     opcheck(torch.ops.rome.rotary_embedding.default, (positions, query, None, D, cache, is_neox))
 
 
+@pytest.mark.one_isa
 @pytest.mark.parametrize("freqs_shape", ("1NC2", "NC"))
 @pytest.mark.parametrize("dtype", DTYPES, ids=dtype_id)
 def test_opcheck_apply_rotary_emb_interleaved(dtype, freqs_shape):
