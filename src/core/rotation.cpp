@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <stdexcept>
 #include <string>
 
 #include "convert.hpp"
@@ -129,6 +130,46 @@ const TilePacks& RotationData::tile_packs() const {
     lazy_tile_packs_->packs.b = pack_tiles(dense_b, rotary_dim, dense_blocks);
   });
   return lazy_tile_packs_->packs;
+}
+
+namespace {
+
+PanelPackedMatrix pack_panels(const std::vector<float>& m, std::int64_t dim,
+                              const std::vector<RotationData::Block>& blocks, int width) {
+  PanelPackedMatrix packed;
+  packed.width = width;
+  std::int64_t floats = 0;
+  for (const auto& block : blocks) {
+    packed.block_first.push_back(floats);
+    const std::int64_t panels = (block.size + width - 1) / width;
+    floats += panels * block.size * width;
+    packed.padded_columns = std::max(packed.padded_columns, block.offset + panels * width);
+  }
+  packed.storage.assign(std::size_t(floats) + 16, 0.0f);
+  const auto address = reinterpret_cast<std::uintptr_t>(packed.storage.data());
+  packed.align = (64 - address % 64) % 64 / sizeof(float);
+  float* data = packed.storage.data() + packed.align;
+  for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
+    const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < n; ++j)
+        data[packed.block_first[bi] + (j / width) * n * width + i * width + j % width] =
+            m[(o + i) * dim + o + j];
+  }
+  return packed;
+}
+
+}  // namespace
+
+const PanelPacks& RotationData::panel_packs(int width) const {
+  if (width != 16 && width != 32) throw std::logic_error("panel_packs: width must be 16 or 32");
+  const int slot = width == 16 ? 0 : 1;
+  std::call_once(lazy_panel_packs_->once[slot], [&] {
+    PanelPacks& packs = lazy_panel_packs_->packs[slot];
+    if (!dense_a.empty()) packs.a = pack_panels(dense_a, rotary_dim, dense_blocks, width);
+    packs.b = pack_panels(dense_b, rotary_dim, dense_blocks, width);
+  });
+  return lazy_panel_packs_->packs[slot];
 }
 
 std::uint64_t next_rotation_uid() noexcept {
@@ -424,7 +465,8 @@ Rotation Rotation::partial(std::int64_t head_dim, std::int64_t lane_offset) cons
          "an even size of at least lane_offset + rotary_dim = " +
              std::to_string(lane_offset + data_->rotary_dim),
          std::to_string(head_dim));
-  auto narrowed = std::make_shared<RotationData>(*data_);  // shares the lazily built tile packs
+  auto narrowed =
+      std::make_shared<RotationData>(*data_);  // shares the lazily built tile and panel packs
   narrowed->head_dim = head_dim - lane_offset;
   if (lane_offset == 0) return Rotation(std::move(narrowed));
   auto d = std::make_shared<RotationData>(*narrowed);

@@ -59,6 +59,23 @@ struct TilePacks {
   TilePackedMatrix a, b;  // a empty when A = I
 };
 
+// A dense matrix packed for the fp32 FMA kernels: per diagonal block, column panels `width`
+// floats wide (zero past the block's end), each block.size rows of `width` contiguous floats, so
+// the kernels' inner loop reads whole aligned vectors with no masks. Panel p of block bi starts
+// at data() + block_first[bi] + p·size·width.
+struct PanelPackedMatrix {
+  int width = 0;
+  std::vector<std::int64_t> block_first;
+  std::int64_t padded_columns = 0;  // the last panel's end: kernels' scratch rows need this many
+  const float* data() const { return storage.data() + align; }
+
+  std::vector<float> storage;
+  std::size_t align = 0;  // floats skipped so that data() is 64-byte aligned
+};
+struct PanelPacks {
+  PanelPackedMatrix a, b;  // a empty when A = I
+};
+
 // A number no other rotation built in this process has (copies keep it: they share the
 // analysed matrices). Kernels that cache per-rotation data check it before comparing content.
 std::uint64_t next_rotation_uid() noexcept;
@@ -100,6 +117,8 @@ struct RotationData {
 
   // Built on first use by the matrix-unit kernel (and its emulation in the tests).
   const TilePacks& tile_packs() const;
+  // Built on first use by the FMA dense kernels; width 16 or 32 floats.
+  const PanelPacks& panel_packs(int width) const;
 
  private:
   struct LazyTilePacks {
@@ -107,6 +126,11 @@ struct RotationData {
     TilePacks packs;
   };
   std::shared_ptr<LazyTilePacks> lazy_tile_packs_ = std::make_shared<LazyTilePacks>();
+  struct LazyPanelPacks {
+    std::once_flag once[2];
+    PanelPacks packs[2];
+  };
+  std::shared_ptr<LazyPanelPacks> lazy_panel_packs_ = std::make_shared<LazyPanelPacks>();
 };
 
 }  // namespace rome::detail

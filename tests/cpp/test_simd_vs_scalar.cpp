@@ -1,7 +1,8 @@
 // The SIMD kernels must match the scalar kernel bit for bit. Seeded randomized cases through the
 // public API (rome::rope_forward): every rotation family (half, interleave, quarter,
 // interleave_half, block diagonals of random even blocks, partial rotary, dense matrices that are
-// signed permutations, with or without empty columns), any even D (2..300 and 4094), f32 / f16 /
+// signed permutations, with or without empty columns, dense blocks of random values with one or
+// two matrices), any even D (2..300 and 4094), f32 / f16 /
 // bf16, rank 2..5, strided / padded / misaligned / negative-stride views, in place and out of
 // place, direct tables of random broadcast shape, dtype and width, caches gathered by positions,
 // and Q + K with fewer K heads. The whole output buffer (padding included) is compared, so a
@@ -68,8 +69,48 @@ Rotation random_block(Rng& rng, std::int64_t dim, std::string& desc) {
   }
 }
 
+std::vector<float> random_matrix_values(Rng& rng, std::int64_t n) {
+  std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+  std::vector<float> m(n * n);
+  const float scale = 1.0f / std::sqrt(float(n));
+  for (auto& v : m) v = u(rng) * scale;
+  return m;
+}
+
+// Dense blocks of random values (one matrix or two), ragged sizes: every output lane is a real
+// sum, so a kernel summing in another order than the scalar kernel's shows.
+Rotation random_dense_values(Rng& rng, std::int64_t rd, std::string& desc) {
+  std::vector<std::int64_t> sizes;
+  if (rd == 128 && chance(rng, 0.4)) {
+    sizes = {44, 44, 40};
+  } else if (rd == 40 && chance(rng, 0.5)) {
+    sizes = {18, 22};
+  } else if (chance(rng, 0.3)) {
+    sizes = {rd};
+  } else {
+    for (std::int64_t left = rd; left > 0;) {
+      const std::int64_t s = 2 * std::int64_t(uniform(rng, 1, int(left / 2)));
+      sizes.push_back(s);
+      left -= s;
+    }
+  }
+  std::vector<Rotation> blocks;
+  desc += "dense values(";
+  for (std::size_t i = 0; i < sizes.size(); ++i) {
+    const std::int64_t n = sizes[i];
+    const bool two = chance(rng, 0.4);
+    desc += (i ? ", " : "") + std::string(two ? "A,B " : "B ") + std::to_string(n);
+    blocks.push_back(
+        two ? Rotation::dense(random_matrix_values(rng, n), random_matrix_values(rng, n), n)
+            : Rotation::dense(random_matrix_values(rng, n), n));
+  }
+  desc += ")";
+  return blocks.size() == 1 ? blocks[0] : Rotation::block_diag(blocks);
+}
+
 Rotation random_rotation(Rng& rng, std::int64_t rd, std::string& desc) {
-  const int kind = uniform(rng, 0, 9);
+  const int kind = uniform(rng, 0, 11);
+  if (kind >= 10 && rd <= 300) return random_dense_values(rng, rd, desc);
   if (kind <= 3) return random_block(rng, rd, desc);
   if (kind <= 6) {
     // Block diagonal: fixed model splits when they fit, else random even blocks.

@@ -1,0 +1,134 @@
+// The dense forward y = (x·A) ⊙ cos + (x·B) ⊙ sin as fp32 FMA products, written once over a
+// vector-traits type and compiled per ISA.
+//
+// Shape of the work: a group of R rows of x is staged in fp32; each column panel of B (packed
+// once per rotation, RotationData::panel_packs) is multiplied into an R × (2 vectors) register
+// tile, BLIS-style: per step of the inner loop two aligned panel loads, R broadcasts of x and
+// 2R fmas, with no masks (panels are zero-padded). The products land in an fp32 scratch row and
+// the epilogue applies the tables with one rounding per lane. x·A, when A is dense, is a second
+// product into a second scratch row.
+//
+// Every output lane is one fma per input lane of its diagonal block, in ascending order from
+// +0, and the epilogue is the scalar kernel's combine: bit for bit the scalar kernel on every
+// ISA, whatever R or the panel width.
+//
+// The traits type V provides: F (a vector of kLanes floats); kDenseRows (R: R·2 accumulators +
+// 2 panel vectors + 1 broadcast must fit the register file); Lanes<D> (load/store of storage
+// type D, whole or the first n lanes); zero(), load(const float*), broadcast(const float*),
+// fma(a, b, c) = a·b + c rounded once, store(float*, F) (unaligned forms), combine(xa, c, xb, s).
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+#include "../kernel_api.hpp"
+#include "../kernel_support.hpp"
+
+namespace rome::kernels::dense_common {
+
+// out[r][0, 2·kLanes) = x[r][0, k) · panel, for R rows (x rows `stride` floats apart).
+template <class V, int R>
+ROME_INLINE void panel_product(const float* x, std::int64_t stride, const float* panel,
+                               std::int64_t k, float* out) {
+  using F = typename V::F;
+  constexpr int L = V::kLanes;
+  F acc[R][2];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  for (std::int64_t i = 0; i < k; ++i) {
+    const F b0 = V::load(panel + i * 2 * L);
+    const F b1 = V::load(panel + i * 2 * L + L);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const F xi = V::broadcast(x + r * stride + i);
+      acc[r][0] = V::fma(xi, b0, acc[r][0]);
+      acc[r][1] = V::fma(xi, b1, acc[r][1]);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; ++r) {
+    V::store(out + r * stride, acc[r][0]);
+    V::store(out + r * stride + L, acc[r][1]);
+  }
+}
+
+// out = x · m over every diagonal block, for R rows. Blocks run in ascending order: a panel's
+// zero-padded columns spill into the next block's first lanes, which that block then overwrites.
+template <class V, int R>
+void block_products(const detail::PanelPackedMatrix& m,
+                    const std::vector<detail::RotationData::Block>& blocks, const float* x,
+                    std::int64_t stride, float* out) {
+  const int w = m.width;
+  for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
+    const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
+    const float* panel = m.data() + m.block_first[bi];
+    for (std::int64_t c = 0; c < n; c += w, panel += n * w)
+      panel_product<V, R>(x + o, stride, panel, n, out + o + c);
+  }
+}
+
+template <class V, int R = V::kDenseRows>
+void block_products(int rows, const detail::PanelPackedMatrix& m,
+                    const std::vector<detail::RotationData::Block>& blocks, const float* x,
+                    std::int64_t stride, float* out) {
+  if constexpr (R > 1) {
+    if (rows < R) return block_products<V, R - 1>(rows, m, blocks, x, stride, out);
+  }
+  block_products<V, R>(m, blocks, x, stride, out);
+}
+
+template <class V, DType D>
+void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
+  using Lanes = typename V::template Lanes<D>;
+  using T = typename Lanes::T;
+  constexpr int L = V::kLanes, R = V::kDenseRows, W = 2 * L;
+  const detail::PanelPacks& packs = r.panel_packs(W);
+  const bool dense_a = !r.a_identity;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  const std::int64_t padded = std::max(packs.b.padded_columns, (rd + L - 1) / L * L);
+  const std::int64_t stride = (padded + W - 1) / W * W;
+  thread_local Scratch scratch;
+  float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(3 * R * stride)));
+  float* XB = X + R * stride;
+  float* XA = XB + R * stride;
+  // Lanes the products never write but the epilogue's last vector reads: defined, discarded.
+  for (int row = 0; row < R; ++row)
+    for (std::int64_t j = packs.b.padded_columns; j < stride; ++j)
+      XB[row * stride + j] = XA[row * stride + j] = 0.0f;
+  const bool pass = tile.copy_passthrough && hd > rd;
+  for (std::int64_t first = 0; first < tile.count; first += R) {
+    const int rows = int(std::min<std::int64_t>(R, tile.count - first));
+    // Stage the rows in fp32 before any write: a row's y may be its x.
+    for (int row = 0; row < rows; ++row) {
+      const T* x = static_cast<const T*>(tile.x_row(first + row));
+      for (std::int64_t j = 0; j < rd; j += L) {
+        const int n = int(std::min<std::int64_t>(L, rd - j));
+        V::store(X + row * stride + j, n == L ? Lanes::load(x + j) : Lanes::load(x + j, n));
+      }
+    }
+    block_products<V>(rows, packs.b, r.dense_blocks, X, stride, XB);
+    if (dense_a) block_products<V>(rows, packs.a, r.dense_blocks, X, stride, XA);
+    const float* xa_rows = dense_a ? XA : X;
+    for (int row = 0; row < rows; ++row) {
+      const float* xa = xa_rows + row * stride;
+      const float* xb = XB + row * stride;
+      const float* c = tile.cos_row(first + row);
+      const float* s = tile.sin_row(first + row);
+      T* y = static_cast<T*>(tile.y_row(first + row));
+      for (std::int64_t j = 0; j < rd; j += L) {
+        const auto v = V::combine(V::load(xa + j), V::load(c + j), V::load(xb + j), V::load(s + j));
+        const int n = int(std::min<std::int64_t>(L, rd - j));
+        if (n == L)
+          Lanes::store(y + j, v);
+        else
+          Lanes::store(y + j, v, n);
+      }
+      if (pass)
+        std::memcpy(y + rd, static_cast<const T*>(tile.x_row(first + row)) + rd,
+                    std::size_t(hd - rd) * sizeof(T));
+    }
+  }
+}
+
+}  // namespace rome::kernels::dense_common
