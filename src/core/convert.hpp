@@ -106,4 +106,38 @@ inline void store_any(void* base, DType dtype, std::int64_t i, float v) {
   }
 }
 
+// Whole rows, with the dtype switch outside the loop so the compiler can vectorise each loop.
+inline void load_row_any(const void* base, DType dtype, std::int64_t n, float* out) {
+  switch (dtype) {
+    case DType::f32: std::memcpy(out, base, std::size_t(n) * sizeof(float)); break;
+    case DType::bf16: {
+      const auto* p = static_cast<const std::uint16_t*>(base);
+      for (std::int64_t i = 0; i < n; ++i) out[i] = bf16_to_float(p[i]);
+      break;
+    }
+    case DType::f16: {
+      const auto* p = static_cast<const std::uint16_t*>(base);
+      for (std::int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(p[i]);
+      break;
+    }
+    default: break;
+  }
+}
+inline void store_row_any(void* base, DType dtype, std::int64_t n, const float* in) {
+  switch (dtype) {
+    case DType::f32: std::memcpy(base, in, std::size_t(n) * sizeof(float)); break;
+    case DType::bf16: {
+      auto* p = static_cast<std::uint16_t*>(base);
+      for (std::int64_t i = 0; i < n; ++i) p[i] = float_to_bf16(in[i]);
+      break;
+    }
+    case DType::f16: {
+      auto* p = static_cast<std::uint16_t*>(base);
+      for (std::int64_t i = 0; i < n; ++i) p[i] = float_to_fp16(in[i]);
+      break;
+    }
+    default: break;
+  }
+}
+
 }  // namespace rome::detail

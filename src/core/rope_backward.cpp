@@ -87,8 +87,7 @@ OuterOffsets outer_offsets(const BackwardPlan& bp, const std::int64_t* outer) {
 }
 
 void load_row(const char* base, DType dtype, std::int64_t offset, std::int64_t n, float* out) {
-  const char* row = base + offset * dtype_size(dtype);
-  for (std::int64_t j = 0; j < n; ++j) out[j] = detail::load_any(row, dtype, j);
+  detail::load_row_any(base + offset * dtype_size(dtype), dtype, n, out);
 }
 
 void store_table_gradient(const TensorView& d, const std::int64_t* outer_strides,
@@ -171,10 +170,12 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
 
 // Dense rotations: per outer index (one table row), inner rows in batches of kRowBatch staged
 // as fp32 matrices G, U = G ⊙ C, V = G ⊙ S and X, then products on the ISA kernel. dA/dB are
-// summed per batch in fp32 and added to the caller's double accumulators: the batch split is
-// fixed, so the result does not depend on the thread count.
+// summed in fp32 over at least kMatrixFlushRows rows (whole outer indices) and then added to the
+// caller's double accumulators: where the sums are flushed depends only on the range, so the
+// result does not depend on the thread count.
+constexpr std::int64_t kMatrixFlushRows = 512;
 struct DenseScratch {
-  std::vector<float> cos, sin, g, u, v, x, xt, dx, xm, p;
+  std::vector<float> cos, sin, g, u, v, x, xt, dx, xm, pa, pb;
   std::vector<double> dc, ds;
 };
 
@@ -190,7 +191,17 @@ void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
   for (auto* m : {&s.g, &s.u, &s.v, &s.x, &s.xt, &s.dx, &s.xm}) m->resize(kBatch * hd);
   s.cos.resize(hd);
   s.sin.resize(hd);
-  s.p.resize((da || db) ? rd * rd : 0);
+  s.pa.assign(da ? rd * rd : 0, 0.0f);
+  s.pb.assign(db ? rd * rd : 0, 0.0f);
+  std::int64_t pending_rows = 0;  // rows summed into pa/pb since the last flush
+  auto flush_matrix_sums = [&] {
+    for (auto [dm, p] : {std::pair{da, &s.pa}, std::pair{db, &s.pb}}) {
+      if (!dm) continue;
+      for (std::int64_t e = 0; e < rd * rd; ++e) dm[e] += (*p)[e];
+      std::fill(p->begin(), p->end(), 0.0f);
+    }
+    pending_rows = 0;
+  };
   s.dc.assign(rd, 0.0);
   s.ds.assign(rd, 0.0);
   const bool want_tables = bp.dcos.data || bp.dsin.data;
@@ -239,10 +250,10 @@ void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
         block_products(rows, s.v.data(), b_t.data(), s.dx.data());
         for (std::int64_t row = 0; row < rows; ++row) {
           char* dx = plan.q.out_base + dx_rows[row] * dtype_size(plan.dtype);
-          for (std::int64_t j = 0; j < rd; ++j)
-            detail::store_any(dx, plan.dtype, j, s.dx[row * rd + j]);
-          for (std::int64_t j = rd; j < hd; ++j)  // pass-through lanes
-            detail::store_any(dx, plan.dtype, j, s.g[row * hd + j]);
+          detail::store_row_any(dx, plan.dtype, rd, s.dx.data() + row * rd);
+          if (hd > rd)  // pass-through lanes
+            detail::store_row_any(dx + rd * dtype_size(plan.dtype), plan.dtype, hd - rd,
+                                  s.g.data() + row * hd + rd);
         }
       }
       if (!want_x) continue;
@@ -266,19 +277,18 @@ void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
       if (da || db) {
         for (std::int64_t row = 0; row < rows; ++row)  // xᵀ: rd × rows
           for (std::int64_t i = 0; i < rd; ++i) s.xt[i * rows + row] = s.x[row * rd + i];
-        for (auto [dm, w] : {std::pair{da, s.u.data()}, std::pair{db, s.v.data()}}) {
-          if (!dm) continue;
-          std::fill(s.p.begin(), s.p.end(), 0.0f);
-          product(rd, rows, rd, s.xt.data(), rows, w, rd, s.p.data(), rd);
-          for (std::int64_t e = 0; e < rd * rd; ++e) dm[e] += s.p[e];
-        }
+        if (da) product(rd, rows, rd, s.xt.data(), rows, s.u.data(), rd, s.pa.data(), rd);
+        if (db) product(rd, rows, rd, s.xt.data(), rows, s.v.data(), rd, s.pb.data(), rd);
+        pending_rows += rows;
       }
     }
+    if (pending_rows >= kMatrixFlushRows) flush_matrix_sums();
     store_table_gradient(bp.dcos, bp.dcos_outer, outer, plan.outer_count, plan.tables.width,
                          s.dc.data(), rd);
     store_table_gradient(bp.dsin, bp.dsin_outer, outer, plan.outer_count, plan.tables.width,
                          s.ds.data(), rd, plan.tables.negate_sin);
   }
+  if (pending_rows > 0) flush_matrix_sums();
 }
 
 std::vector<float> transposed(const std::vector<float>& m, std::int64_t n) {

@@ -28,31 +28,49 @@ struct Avx2Vectors {
   static ROME_INLINE F combine(F xa, F c, F xb, F s) { return avx2::combine(xa, c, xb, s); }
 };
 
-// R rows of c, 16 columns at a time (masked loads never touch memory past n).
+// R rows of c, 16 columns at a time. Whole column groups use plain loads and stores (masked
+// stores are microcoded on AMD cores); only the last, partial group is masked, so no access
+// touches memory past n.
+template <int R, bool Masked>
+ROME_INLINE void product_columns(std::int64_t k, std::int64_t n, std::int64_t j0, const float* a,
+                                 std::int64_t lda, const float* b, std::int64_t ldb, float* c,
+                                 std::int64_t ldc) {
+  __m256i mask[2];
+  if constexpr (Masked)
+    for (int v = 0; v < 2; ++v)
+      mask[v] = lane_mask(int(std::clamp<std::int64_t>(n - (j0 + v * kW), 0, kW)));
+  auto load = [&](const float* p, int v) {
+    if constexpr (Masked) return _mm256_maskload_ps(p, mask[v]);
+    return _mm256_loadu_ps(p);
+  };
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) acc[r][v] = load(c + r * ldc + j0 + v * kW, v);
+  for (std::int64_t i = 0; i < k; ++i) {
+    const __m256 b0 = load(b + i * ldb + j0, 0);
+    const __m256 b1 = load(b + i * ldb + j0 + kW, 1);
+    for (int r = 0; r < R; ++r) {
+      const __m256 ai = _mm256_broadcast_ss(a + r * lda + i);
+      acc[r][0] = _mm256_fmadd_ps(ai, b0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(ai, b1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < 2; ++v) {
+      if constexpr (Masked)
+        _mm256_maskstore_ps(c + r * ldc + j0 + v * kW, mask[v], acc[r][v]);
+      else
+        _mm256_storeu_ps(c + r * ldc + j0 + v * kW, acc[r][v]);
+    }
+}
+
 template <int R>
 void product_rows(std::int64_t k, std::int64_t n, const float* a, std::int64_t lda, const float* b,
                   std::int64_t ldb, float* c, std::int64_t ldc) {
-  for (std::int64_t j0 = 0; j0 < n; j0 += 2 * kW) {
-    __m256i mask[2];
-    for (int v = 0; v < 2; ++v)
-      mask[v] = lane_mask(int(std::clamp<std::int64_t>(n - (j0 + v * kW), 0, kW)));
-    __m256 acc[R][2];
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 2; ++v)
-        acc[r][v] = _mm256_maskload_ps(c + r * ldc + j0 + v * kW, mask[v]);
-    for (std::int64_t i = 0; i < k; ++i) {
-      const __m256 b0 = _mm256_maskload_ps(b + i * ldb + j0, mask[0]);
-      const __m256 b1 = _mm256_maskload_ps(b + i * ldb + j0 + kW, mask[1]);
-      for (int r = 0; r < R; ++r) {
-        const __m256 ai = _mm256_broadcast_ss(a + r * lda + i);
-        acc[r][0] = _mm256_fmadd_ps(ai, b0, acc[r][0]);
-        acc[r][1] = _mm256_fmadd_ps(ai, b1, acc[r][1]);
-      }
-    }
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < 2; ++v)
-        _mm256_maskstore_ps(c + r * ldc + j0 + v * kW, mask[v], acc[r][v]);
-  }
+  std::int64_t j0 = 0;
+  for (; j0 + 2 * kW <= n; j0 += 2 * kW)
+    product_columns<R, false>(k, n, j0, a, lda, b, ldb, c, ldc);
+  if (j0 < n) product_columns<R, true>(k, n, j0, a, lda, b, ldb, c, ldc);
 }
 
 }  // namespace
