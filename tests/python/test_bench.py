@@ -101,11 +101,19 @@ def test_matrix_path_rows(quick_run, isa):
         if "na" in cpp:
             continue
         assert cpp["path"] == ("permute" if r["matrix"] == "rotate" else "dense"), (r["row"], cpp)
+    for r in results["rows"]:
+        bare = r["methods"]["bare_mm"]
+        if r["matrix"] == "rotate":
+            assert "na" in bare, (r["row"], bare)
+        else:  # PyTorch's best bare x @ M, and RoME's ratio to it
+            assert bare["median_s"] > 0 and "error" not in bare, (r["row"], bare)
+            assert r["derived"]["rome_inplace_to_bare_mm"] > 0, (r["row"], r["derived"])
     for r in matrix_rows:
         d = r["derived"]
         assert r["matrix_flops"] > 0 and d["rome_gflops"] > 0, (r["row"], d)
         assert r["title"] in proc.stdout
     assert "Matrix path" in proc.stdout and "## Matrix path" in (out / "bench.md").read_text()
+    assert "inpl/bare mm" in proc.stdout
 
 
 @pytest.mark.one_isa

@@ -8,13 +8,13 @@ from typing import Dict, List, Optional
 
 from .runner import BASELINES, LABELS
 
-TIME_COLUMNS = ["small", "axis_matrix", "matrix", "compile_small", "compile_matrix", "ort", "rome",
-                "rome_inplace", "rome_cpp", "floor", "floor_cpp"]
+TIME_COLUMNS = ["small", "axis_matrix", "matrix", "compile_small", "compile_matrix", "ort", "bare_mm",
+                "rome", "rome_inplace", "rome_cpp", "floor", "floor_cpp"]
 PRECISION_COLUMNS = ["small", "axis_matrix", "matrix", "compile_small", "compile_matrix", "ort", "rome",
                      "rome_inplace"]
 SHORT = {
     "small": "small ops", "axis_matrix": "axis mats", "matrix": "matrix", "compile_small": "cmp small",
-    "compile_matrix": "cmp matrix", "ort": "ORT fp16", "rome": "RoME", "rome_inplace": "RoME inpl",
+    "compile_matrix": "cmp matrix", "ort": "ORT fp16", "bare_mm": "bare mm", "rome": "RoME", "rome_inplace": "RoME inpl",
     "rome_cpp": "RoME C++", "floor": "floor", "floor_cpp": "floor C++",
 }
 TARGET_TEXT = {
@@ -23,6 +23,7 @@ TARGET_TEXT = {
     "within_1.15_of_floor": "RoME (torch op) within 1.15x of the floor (the faster copy)",
     "cpp_within_1.15_of_floor": "RoME C++ within 1.15x of the floor C++ (same process)",
     "precision": "precision <= fp32 matrix reference rounded to bf16",
+    "dense_le_bare_matmul": "dense rows: RoME in place <= 1.0x PyTorch's best bare matmul x @ M",
     "amx_within_1.3_of_floor": "dense rows on AMX: RoME within 1.3x of the floor",
     "amx_x3_vs_torch_matrix": "dense rows on AMX: >= 3x faster than PyTorch eager x*cos + (x@M)*sin",
 }
@@ -78,8 +79,8 @@ def precision_table(results: Dict) -> (List[str], List[List[str]]):
 
 def matrix_table(results: Dict) -> (List[str], List[List[str]]):
     """Rows run as matrix products: which path, GFLOP/s of the matrix part, ratios."""
-    header = ["row", "RoME path (ISA)", "GFLOP/s torch op", "GFLOP/s C++", "RoME/floor",
-              "x torch matrix", "vs permute path"]
+    header = ["row", "RoME path (ISA)", "GFLOP/s torch op", "GFLOP/s C++", "GFLOP/s bare mm",
+              "RoME/bare mm", "inpl/bare mm", "RoME/floor", "x torch matrix", "vs permute path"]
     body = []
     by_key = {r["row"]: r for r in results["rows"]}
     for r in results["rows"]:
@@ -94,8 +95,9 @@ def matrix_table(results: Dict) -> (List[str], List[List[str]]):
                 and m.get("rome", {}).get("median_s"):
             versus = _x(m["rome"]["median_s"] / base["methods"]["rome"]["median_s"]) + " slower"
         g = lambda k: f"{d[k]:.1f}" if k in d else "-"  # noqa: E731
-        body.append([r["title"], path, g("rome_gflops"), g("rome_cpp_gflops"), _x(d.get("rome_to_floor")),
-                     _x(d.get("speedup_vs_matrix")), versus])
+        body.append([r["title"], path, g("rome_gflops"), g("rome_cpp_gflops"), g("bare_mm_gflops"),
+                     _x(d.get("rome_to_bare_mm")), _x(d.get("rome_inplace_to_bare_mm")),
+                     _x(d.get("rome_to_floor")), _x(d.get("speedup_vs_matrix")), versus])
     return header, body
 
 
@@ -201,6 +203,8 @@ def targets_lines(results: Dict) -> List[str]:
             detail = _range(rows, "rome_to_floor", "x floor")
         elif key == "cpp_within_1.15_of_floor":
             detail = _range(rows, "rome_cpp_to_floor_cpp", "x floor")
+        elif key == "dense_le_bare_matmul":
+            detail = _range(rows, "rome_inplace_to_bare_mm", "x bare matmul")
         elif key == "precision":
             worst = max(r["derived"]["rome_error"] / max(r["derived"]["fp32_reference_error"], 1e-300) for r in rows)
             detail = f"worst RoME error / fp32-ref error = {worst:.2f}"
@@ -226,6 +230,7 @@ MISSED_DETAIL = {
     "x2_vs_best_other": ("speedup_vs_best_other", "ceiling_vs_best_other", "x"),
     "within_1.15_of_floor": ("rome_to_floor", None, "x"),
     "cpp_within_1.15_of_floor": ("rome_cpp_to_floor_cpp", None, "x"),
+    "dense_le_bare_matmul": ("rome_inplace_to_bare_mm", None, "x"),
 }
 
 
@@ -297,7 +302,7 @@ def write_png(results: Dict, path: Path):
     small = [r for r in results["rows"] if r["decode"]]
     colors = {
         "small": "#d62728", "axis_matrix": "#ff9896", "matrix": "#ff7f0e", "compile_small": "#9467bd",
-        "compile_matrix": "#c5b0d5", "ort": "#8c564b", "rome": "#1f77b4", "rome_inplace": "#aec7e8",
+        "compile_matrix": "#c5b0d5", "ort": "#8c564b", "bare_mm": "#7f7f7f", "rome": "#1f77b4", "rome_inplace": "#aec7e8",
         "rome_cpp": "#17becf", "floor": "#2ca02c", "floor_cpp": "#98df8a",
     }
     panels = [(big, 1e3, "ms per call (log)")] + ([(small, 1e6, "µs per call (log)")] if small else [])
