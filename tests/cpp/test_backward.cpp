@@ -160,17 +160,19 @@ INSTANTIATE_TEST_SUITE_P(AllCases, Backward,
                                   grad_cases()[std::get<1>(info.param)].name;
                          });
 
-// dA/dB do not depend on the thread count (fixed chunks summed in order).
+// dA/dB do not depend on the thread count (fixed chunks summed in order), and the fp32 partial
+// sums flushed to double every 512 rows (2048 rows per chunk here) add up to the double sum.
 TEST(Backward, MatrixGradientsIndependentOfThreads) {
   const Rotation rotation = Rotation::dense(random_values(64, 9), random_values(64, 10), 8);
-  TestTensor x = TestTensor::make(DType::f32, {4, 8, 512, 8}),
-             g = TestTensor::make(DType::f32, {4, 8, 512, 8});
+  constexpr std::int64_t kTokens = 16384;
+  TestTensor x = TestTensor::make(DType::f32, {1, 8, kTokens, 8}),
+             g = TestTensor::make(DType::f32, {1, 8, kTokens, 8});
   std::mt19937_64 rng(4);
   x.fill_random(rng, -1, 1);
   g.fill_random(rng, -1, 1);
   TestTables tables;
-  tables.cos = TestTensor::make(DType::f32, {512, 8});
-  tables.sin = TestTensor::make(DType::f32, {512, 8});
+  tables.cos = TestTensor::make(DType::f32, {kTokens, 8});
+  tables.sin = TestTensor::make(DType::f32, {kTokens, 8});
   tables.cos.fill_random(rng, -1, 1);
   tables.sin.fill_random(rng, -1, 1);
   std::vector<float> da1(64), db1(64), da2(64), db2(64);
@@ -180,6 +182,16 @@ TEST(Backward, MatrixGradientsIndependentOfThreads) {
   rope_backward(rotation, tables.view(), g.cview(), x.cview(), two, ExecOptions{2});
   EXPECT_EQ(da1, da2);
   EXPECT_EQ(db1, db2);
+  std::vector<double> db(64), scale(64);
+  for (std::int64_t h = 0; h < 8; ++h)
+    for (std::int64_t s = 0; s < kTokens; ++s)
+      for (std::int64_t i = 0; i < 8; ++i)
+        for (std::int64_t j = 0; j < 8; ++j) {
+          const double term = x.get({0, h, s, i}) * g.get({0, h, s, j}) * tables.sin.get({s, j});
+          db[i * 8 + j] += term;
+          scale[i * 8 + j] += std::abs(term);
+        }
+  for (int e = 0; e < 64; ++e) EXPECT_NEAR(db1[e], db[e], 1e-5 * scale[e]) << "db at " << e;
 }
 
 // The dense backward on the ISA product kernels: rows in batches of 64 (tables shared by 700 rows,

@@ -60,6 +60,13 @@ def test_files_written(quick_run, isa):
     fused = (out / "fused.md").read_text()
     assert "fused_qk_norm_rope" in fused and "rotary_embedding_with_cache" in fused
     assert "rome.hf.apply_rotary_pos_emb" in (out / "hf_decode.md").read_text()
+    dense = (out / "dense.md").read_text()
+    assert "rope_matrix_ (in place)" in dense and "torch autograd" in dense
+    cells = json.loads((out / "dense.json").read_text())["cells"]
+    assert [c["threads"] for c in cells] == sorted({1, len(os.sched_getaffinity(0))})
+    for c in cells:
+        for key in ("bare_mm", "rope_matrix_", "one_matrix", "two_matrix", "rome_train", "torch_train"):
+            assert c[key] > 0, (key, c)
 
 
 @pytest.mark.one_isa
