@@ -45,6 +45,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="skip the table-free RoPE precision and speed tables")
     p.add_argument("--no-dense", action="store_true",
                    help="skip the dense path vs PyTorch's best matmul (forward and backward)")
+    p.add_argument("--no-models", action="store_true",
+                   help="skip the real-model table (transformers LLM layers with and without RoME)")
     p.add_argument("--threads", type=int, default=0, help="threads for every method (default: every core)")
     p.add_argument("--repeats", type=int, default=0, help="timed repeats per cell (default 10, quick 3)")
     p.add_argument("--seq", type=int, default=0, help=f"S of the [1, 24, S, 128] rows (default {DEFAULT_SEQ})")
@@ -113,6 +115,10 @@ def main(argv=None) -> int:
         from . import dense
 
         section(dense, "dense")
+    if not args.no_models:
+        from . import models
+
+        section(models, "models")
     if args.quick:
         compile_rows = QUICK_COMPILE_ROWS
     elif args.full:

@@ -1,0 +1,257 @@
+"""Real transformers model classes with and without RoME (issue 12's whole-network table, the LLM
+part): each model is built from its real configuration (hidden size, heads, head dim, RoPE
+settings), one decoder layer, random init, no downloads, and run forward on one prompt; then one
+decode row (a 2-layer Llama-3.1-8B-shaped model generating 32 tokens).
+
+Per model: forward time without and with ``rome.hf.patch_model`` (timed alternately, median),
+RoPE's share of the unpatched forward (the time spent inside the modeling module's
+``apply_rotary_pos_emb`` and the rotary embedding module, measured by wrapping them in a timed
+run of its own), the speed-up, and the largest logit difference relative to the largest logit.
+
+The vocabulary is cut to 1024 entries (the embedding and LM head are not what is measured; the
+real 128K-152K vocabularies would dominate a one-layer model). The dtype is bf16 where the CPU
+has bf16 matrix hardware (AVX512-BF16 or AMX) and fp32 elsewhere: without it torch's bf16 matmul
+runs about 10x slower than its sgemm and no user would run a model that way.
+"""
+
+import contextlib
+import statistics
+import time
+from typing import Callable, Dict, List
+
+import torch
+
+import rome
+import rome.hf
+
+VOCAB = 1024
+
+
+def _bf16_hardware() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def _llama31_8b(layers: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                      num_key_value_heads=8, num_hidden_layers=layers, vocab_size=VOCAB,
+                      max_position_embeddings=131072, rms_norm_eps=1e-5,
+                      rope_scaling={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    "original_max_position_embeddings": 8192},
+                      rope_theta=500000.0, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg), "transformers.models.llama.modeling_llama"
+
+
+def _qwen3_8b(layers: int):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    cfg = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_attention_heads=32,
+                      num_key_value_heads=8, head_dim=128, num_hidden_layers=layers,
+                      vocab_size=VOCAB, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                      rope_theta=1000000.0, attn_implementation="sdpa")
+    return Qwen3ForCausalLM(cfg), "transformers.models.qwen3.modeling_qwen3"
+
+
+def _qwen2vl_7b_text(layers: int):
+    from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLTextModel
+
+    cfg = Qwen2VLTextConfig(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
+                            num_key_value_heads=4, num_hidden_layers=layers, vocab_size=VOCAB,
+                            max_position_embeddings=32768, rms_norm_eps=1e-6,
+                            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
+                                             "mrope_section": [16, 24, 24]},
+                            attn_implementation="sdpa")
+    return Qwen2VLTextModel(cfg), "transformers.models.qwen2_vl.modeling_qwen2_vl"
+
+
+def _mrope_positions(seq: int) -> torch.Tensor:
+    """[3, 1, seq] temporal/height/width positions as Qwen2-VL assigns them: 16 text tokens, an
+    image of side x side patches (one temporal position, its row and column), then text."""
+    side = 8 if seq >= 16 + 64 + 1 else 2
+    image = side * side
+    t, h, w = (torch.arange(seq) for _ in range(3))
+    grid = torch.arange(image)
+    t[16:16 + image], h[16:16 + image], w[16:16 + image] = 16, 16 + grid // side, 16 + grid % side
+    rest = seq - 16 - image
+    next_position = 16 + side
+    for axis in (t, h, w):
+        axis[16 + image:] = next_position + torch.arange(rest)
+    return torch.stack([t, h, w])[:, None, :]
+
+
+MODELS = [
+    ("llama31_8b", "Llama-3.1-8B (half, llama3 scaling, GQA 32/8)", _llama31_8b, None),
+    ("qwen3_8b", "Qwen3-8B (QK-norm, half, GQA 32/8)", _qwen3_8b, None),
+    ("qwen2vl_7b", "Qwen2-VL-7B text (MRoPE 16/24/24, GQA 28/4)", _qwen2vl_7b_text, _mrope_positions),
+]
+
+
+class _RopeTimer:
+    """Wraps a modeling module's apply_rotary_pos_emb and its rotary modules' forward to sum the
+    time spent in them."""
+
+    def __init__(self, model: torch.nn.Module, module_name: str):
+        import sys
+
+        self.seconds = 0.0
+        self.module = sys.modules[module_name]
+        self.rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+
+    def _timed(self, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            out = fn(*args, **kwargs)
+            self.seconds += time.perf_counter() - t0
+            return out
+        return wrapper
+
+    @contextlib.contextmanager
+    def active(self):
+        original = self.module.apply_rotary_pos_emb
+        self.module.apply_rotary_pos_emb = self._timed(original)
+        # An instance attribute `forward` may already be there (patch_model's rotary patch).
+        saved = [(m, m.__dict__.get("forward")) for m in self.rotary]
+        for m, _ in saved:
+            m.forward = self._timed(m.forward)
+        try:
+            yield self
+        finally:
+            self.module.apply_rotary_pos_emb = original
+            for m, own in saved:
+                if own is None:
+                    del m.forward
+                else:
+                    m.forward = own
+
+
+def _output(model, ids, positions):
+    kw = {"position_ids": positions} if positions is not None else {}
+    out = model(input_ids=ids, **kw)
+    return out.logits if hasattr(out, "logits") else out.last_hidden_state
+
+
+def model_row(key: str, title: str, build: Callable, positions_fn, seq: int, dtype: torch.dtype,
+              repeats: int, threads: int) -> Dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, module_name = build(1)
+    model = model.to(dtype).eval()
+    ids = torch.randint(0, VOCAB, (1, seq))
+    positions = positions_fn(seq) if positions_fn else None
+    samples = {"torch": [], "rome": []}
+    rope_share = {}
+    with torch.inference_mode():
+        reference = _output(model, ids, positions)
+        with rome.hf.patch_model(model, warn=False) as handle:
+            patched = bool(handle.active)
+            with_rome = _output(model, ids, positions)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            _output(model, ids, positions)
+            samples["torch"].append(time.perf_counter() - t0)
+            with rome.hf.patch_model(model, warn=False):
+                t0 = time.perf_counter()
+                _output(model, ids, positions)
+                samples["rome"].append(time.perf_counter() - t0)
+        for name in ("torch", "rome"):
+            ctx = rome.hf.patch_model(model, warn=False) if name == "rome" else contextlib.nullcontext()
+            with ctx:
+                timer = _RopeTimer(model, module_name)
+                with timer.active():
+                    t0 = time.perf_counter()
+                    _output(model, ids, positions)
+                    total = time.perf_counter() - t0
+            rope_share[name] = {"rope_s": timer.seconds, "forward_s": total}
+    t_torch, t_rome = statistics.median(samples["torch"]), statistics.median(samples["rome"])
+    scale = reference.float().abs().max().item() or 1.0
+    return {
+        "key": key, "title": title, "seq": seq, "dtype": str(dtype).replace("torch.", ""),
+        "threads": threads, "patched": patched, "layers": 1,
+        "torch_s": t_torch, "rome_s": t_rome, "speedup_pct": (t_torch / t_rome - 1) * 100,
+        "rope_s_torch": rope_share["torch"]["rope_s"], "rope_s_rome": rope_share["rome"]["rope_s"],
+        "rope_share_torch": rope_share["torch"]["rope_s"] / rope_share["torch"]["forward_s"],
+        "max_rel_diff": (with_rome.float() - reference.float()).abs().max().item() / scale,
+    }
+
+
+def decode_row(dtype: torch.dtype, tokens: int, prompt: int, repeats: int, threads: int) -> Dict:
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    model, _ = _llama31_8b(2)
+    model = model.to(dtype).eval()
+    ids = torch.randint(0, VOCAB, (1, prompt))
+    gen = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+    samples = {"torch": [], "rome": []}
+    with torch.inference_mode():
+        ref = model.generate(ids, **gen)
+        with rome.hf.patch_model(model, warn=False):
+            out = model.generate(ids, **gen)
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model.generate(ids, **gen)
+            samples["torch"].append(time.perf_counter() - t0)
+            with rome.hf.patch_model(model, warn=False):
+                t0 = time.perf_counter()
+                model.generate(ids, **gen)
+                samples["rome"].append(time.perf_counter() - t0)
+    t_torch, t_rome = statistics.median(samples["torch"]), statistics.median(samples["rome"])
+    return {"tokens": tokens, "prompt": prompt, "dtype": str(dtype).replace("torch.", ""),
+            "threads": threads, "torch_tok_s": tokens / t_torch, "rome_tok_s": tokens / t_rome,
+            "same_tokens": bool(torch.equal(ref, out))}
+
+
+def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
+        progress: Callable[[str], None] = print) -> Dict:
+    dtype = torch.bfloat16 if _bf16_hardware() else torch.float32
+    seq = 64 if quick else 256  # the seed's 4096+ tokens scaled down: a forward takes seconds here
+    repeats = repeats or (2 if quick else 3)
+    threads = max(threads_list)
+    saved = torch.get_num_threads()
+    start = time.perf_counter()
+    rows: List[Dict] = []
+    try:
+        for key, title, build, positions_fn in (MODELS[:1] if quick else MODELS):
+            progress(f"models: {title}, S={seq}, {threads} thread(s)")
+            rows.append(model_row(key, title, build, positions_fn, seq, dtype, repeats, threads))
+        progress("models: decode, 2-layer Llama-3.1-8B shape")
+        decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads)
+    finally:
+        torch.set_num_threads(saved)
+    return {"rows": rows, "decode": decode, "isa": rome.active_isa(), "dtype": str(dtype),
+            "wall_s": round(time.perf_counter() - start, 1)}
+
+
+def markdown(res: Dict) -> str:
+    lines = [
+        f"### Real models with and without RoME ({res['isa']}; one decoder layer from the real "
+        f"config, random init, vocabulary cut to {VOCAB}; {res['dtype'].replace('torch.', '')})",
+        "",
+        "| model | S | threads | forward without RoME | with RoME | speed-up | RoPE's share "
+        "(without) | RoPE time without / with | max logit diff (rel.) | patched |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
+    ]
+    for r in res["rows"]:
+        lines.append(
+            f"| {r['title']} | {r['seq']} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
+            f"{r['rome_s'] * 1e3:.1f} ms | {r['speedup_pct']:+.1f}% | "
+            f"{r['rope_share_torch'] * 100:.2f}% | {r['rope_s_torch'] * 1e3:.2f} / "
+            f"{r['rope_s_rome'] * 1e3:.2f} ms | {r['max_rel_diff']:.1e} | "
+            f"{'yes' if r['patched'] else 'NO'} |")
+    d = res["decode"]
+    lines += [
+        "",
+        f"Decode: a 2-layer Llama-3.1-8B-shaped model generating {d['tokens']} tokens after a "
+        f"{d['prompt']}-token prompt (greedy, `model.generate`), {d['threads']} thread(s): "
+        f"{d['torch_tok_s']:.2f} tokens/s without RoME, {d['rome_tok_s']:.2f} with "
+        f"({(d['rome_tok_s'] / d['torch_tok_s'] - 1) * 100:+.1f}%); same tokens: "
+        f"{'yes' if d['same_tokens'] else 'no'}.",
+    ]
+    return "\n".join(lines) + "\n"
