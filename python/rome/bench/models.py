@@ -65,7 +65,8 @@ def _qwen2vl_7b_text(layers: int):
 
     cfg = Qwen2VLTextConfig(hidden_size=3584, intermediate_size=18944, num_attention_heads=28,
                             num_key_value_heads=4, num_hidden_layers=layers, vocab_size=VOCAB,
-                            max_position_embeddings=32768, rms_norm_eps=1e-6,
+                            max_position_embeddings=32768, rms_norm_eps=1e-6, bos_token_id=0,
+                            eos_token_id=1,
                             rope_parameters={"rope_type": "default", "rope_theta": 1000000.0,
                                              "mrope_section": [16, 24, 24]},
                             attn_implementation="sdpa")
@@ -87,26 +88,95 @@ def _mrope_positions(seq: int) -> torch.Tensor:
     return torch.stack([t, h, w])[:, None, :]
 
 
+def _flux1(layers: int):
+    from diffusers import FluxTransformer2DModel
+
+    # FLUX.1-dev: 24 heads of 128, joint attention 4096, pooled 768, RoPE axes 16/56/56.
+    model = FluxTransformer2DModel(patch_size=1, in_channels=64, num_layers=layers,
+                                   num_single_layers=0, attention_head_dim=128,
+                                   num_attention_heads=24, joint_attention_dim=4096,
+                                   pooled_projection_dim=768, guidance_embeds=True,
+                                   axes_dims_rope=(16, 56, 56))
+    return model, "diffusers.models.transformers.transformer_flux"
+
+
+def _flux_inputs(seq: int, dtype: torch.dtype) -> Dict:
+    """seq image tokens (a square latent grid) and seq // 4 text tokens."""
+    side = int(seq ** 0.5)
+    text = seq // 4
+    img_ids = torch.zeros(side * side, 3)
+    img_ids[:, 1] = torch.arange(side).repeat_interleave(side)
+    img_ids[:, 2] = torch.arange(side).repeat(side)
+    return {"hidden_states": torch.randn(1, side * side, 64).to(dtype),
+            "encoder_hidden_states": torch.randn(1, text, 4096).to(dtype),
+            "pooled_projections": torch.randn(1, 768).to(dtype),
+            "timestep": torch.tensor([0.5]).to(dtype), "guidance": torch.tensor([3.5]).to(dtype),
+            "img_ids": img_ids, "txt_ids": torch.zeros(text, 3), "return_dict": False}
+
+
+@contextlib.contextmanager
+def _patch_flux(model):
+    """diffusers has no hook for it: Flux's attention processors call the name
+    `apply_rotary_emb` their module imported from diffusers.models.embeddings."""
+    import sys
+
+    import rome.diffusers
+
+    module = sys.modules["diffusers.models.transformers.transformer_flux"]
+    original = module.apply_rotary_emb
+    module.apply_rotary_emb = rome.diffusers.apply_rotary_emb
+    try:
+        yield True
+    finally:
+        module.apply_rotary_emb = original
+
+
+@contextlib.contextmanager
+def _patch_hf(model):
+    with rome.hf.patch_model(model, warn=False) as handle:
+        yield bool(handle.active)
+
+
+def _hf_inputs(positions_fn):
+    def inputs(seq: int, dtype: torch.dtype) -> Dict:
+        kw = {"input_ids": torch.randint(0, VOCAB, (1, seq))}
+        if positions_fn is not None:
+            kw["position_ids"] = positions_fn(seq)
+        return kw
+    return inputs
+
+
+# key, title, build(layers) -> (model, modeling module), inputs(seq, dtype), patch context,
+# the modeling module's RoPE function name.
 MODELS = [
-    ("llama31_8b", "Llama-3.1-8B (half, llama3 scaling, GQA 32/8)", _llama31_8b, None),
-    ("qwen3_8b", "Qwen3-8B (QK-norm, half, GQA 32/8)", _qwen3_8b, None),
-    ("qwen2vl_7b", "Qwen2-VL-7B text (MRoPE 16/24/24, GQA 28/4)", _qwen2vl_7b_text, _mrope_positions),
+    ("llama31_8b", "Llama-3.1-8B (half, llama3 scaling, GQA 32/8)", _llama31_8b, _hf_inputs(None),
+     _patch_hf, "apply_rotary_pos_emb"),
+    ("qwen3_8b", "Qwen3-8B (QK-norm, half, GQA 32/8)", _qwen3_8b, _hf_inputs(None), _patch_hf,
+     "apply_rotary_pos_emb"),
+    ("qwen2vl_7b", "Qwen2-VL-7B text (MRoPE 16/24/24, GQA 28/4)", _qwen2vl_7b_text,
+     _hf_inputs(_mrope_positions), _patch_hf, "apply_rotary_pos_emb"),
+    ("flux1", "FLUX.1 double-stream block (interleaved 2D RoPE 16/56/56, 24 heads)", _flux1,
+     _flux_inputs, _patch_flux, "apply_rotary_emb"),
 ]
 
 
 class _RopeTimer:
-    """Wraps a modeling module's apply_rotary_pos_emb and its rotary modules' forward to sum the
-    time spent in them."""
+    """Wraps a modeling module's RoPE function and the model's rotary/position embedding modules'
+    forward to sum the time spent in them (and count the function's calls)."""
 
-    def __init__(self, model: torch.nn.Module, module_name: str):
+    def __init__(self, model: torch.nn.Module, module_name: str, function: str):
         import sys
 
         self.seconds = 0.0
+        self.calls = 0
         self.module = sys.modules[module_name]
-        self.rotary = [m for m in model.modules() if type(m).__name__.endswith("RotaryEmbedding")]
+        self.function = function
+        self.rotary = [m for m in model.modules()
+                       if type(m).__name__.endswith(("RotaryEmbedding", "PosEmbed"))]
 
-    def _timed(self, fn):
+    def _timed(self, fn, count: bool = False):
         def wrapper(*args, **kwargs):
+            self.calls += count
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
             self.seconds += time.perf_counter() - t0
@@ -115,8 +185,8 @@ class _RopeTimer:
 
     @contextlib.contextmanager
     def active(self):
-        original = self.module.apply_rotary_pos_emb
-        self.module.apply_rotary_pos_emb = self._timed(original)
+        original = getattr(self.module, self.function)
+        setattr(self.module, self.function, self._timed(original, count=True))
         # An instance attribute `forward` may already be there (patch_model's rotary patch).
         saved = [(m, m.__dict__.get("forward")) for m in self.rotary]
         for m, _ in saved:
@@ -124,7 +194,7 @@ class _RopeTimer:
         try:
             yield self
         finally:
-            self.module.apply_rotary_pos_emb = original
+            setattr(self.module, self.function, original)
             for m, own in saved:
                 if own is None:
                     del m.forward
@@ -132,52 +202,53 @@ class _RopeTimer:
                     m.forward = own
 
 
-def _output(model, ids, positions):
-    kw = {"position_ids": positions} if positions is not None else {}
-    out = model(input_ids=ids, **kw)
+def _output(model, inputs: Dict) -> torch.Tensor:
+    out = model(**inputs)
+    if isinstance(out, tuple):
+        return out[0]
     return out.logits if hasattr(out, "logits") else out.last_hidden_state
 
 
-def model_row(key: str, title: str, build: Callable, positions_fn, seq: int, dtype: torch.dtype,
-              repeats: int, threads: int) -> Dict:
+def model_row(spec, seq: int, dtype: torch.dtype, repeats: int, threads: int) -> Dict:
+    key, title, build, inputs_fn, patch, function = spec
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model, module_name = build(1)
     model = model.to(dtype).eval()
-    ids = torch.randint(0, VOCAB, (1, seq))
-    positions = positions_fn(seq) if positions_fn else None
+    inputs = inputs_fn(seq, dtype)
     samples = {"torch": [], "rome": []}
-    rope_share = {}
+    rope = {}
     with torch.inference_mode():
-        reference = _output(model, ids, positions)
-        with rome.hf.patch_model(model, warn=False) as handle:
-            patched = bool(handle.active)
-            with_rome = _output(model, ids, positions)
+        reference = _output(model, inputs)
+        with patch(model):
+            with_rome = _output(model, inputs)
         for _ in range(repeats):
             t0 = time.perf_counter()
-            _output(model, ids, positions)
+            _output(model, inputs)
             samples["torch"].append(time.perf_counter() - t0)
-            with rome.hf.patch_model(model, warn=False):
+            with patch(model):
                 t0 = time.perf_counter()
-                _output(model, ids, positions)
+                _output(model, inputs)
                 samples["rome"].append(time.perf_counter() - t0)
         for name in ("torch", "rome"):
-            ctx = rome.hf.patch_model(model, warn=False) if name == "rome" else contextlib.nullcontext()
-            with ctx:
-                timer = _RopeTimer(model, module_name)
+            with patch(model) if name == "rome" else contextlib.nullcontext(False) as patched:
+                timer = _RopeTimer(model, module_name, function)
                 with timer.active():
                     t0 = time.perf_counter()
-                    _output(model, ids, positions)
+                    _output(model, inputs)
                     total = time.perf_counter() - t0
-            rope_share[name] = {"rope_s": timer.seconds, "forward_s": total}
+            rope[name] = {"rope_s": timer.seconds, "forward_s": total, "calls": timer.calls,
+                          "patched": patched}
     t_torch, t_rome = statistics.median(samples["torch"]), statistics.median(samples["rome"])
     scale = reference.float().abs().max().item() or 1.0
     return {
         "key": key, "title": title, "seq": seq, "dtype": str(dtype).replace("torch.", ""),
-        "threads": threads, "patched": patched, "layers": 1,
+        "threads": threads, "layers": 1,
+        # RoME ran: the patch took and the patched function was called in the forward.
+        "patched": bool(rope["rome"]["patched"]) and rope["rome"]["calls"] > 0,
         "torch_s": t_torch, "rome_s": t_rome, "speedup_pct": (t_torch / t_rome - 1) * 100,
-        "rope_s_torch": rope_share["torch"]["rope_s"], "rope_s_rome": rope_share["rome"]["rope_s"],
-        "rope_share_torch": rope_share["torch"]["rope_s"] / rope_share["torch"]["forward_s"],
+        "rope_s_torch": rope["torch"]["rope_s"], "rope_s_rome": rope["rome"]["rope_s"],
+        "rope_share_torch": rope["torch"]["rope_s"] / rope["torch"]["forward_s"],
         "max_rel_diff": (with_rome.float() - reference.float()).abs().max().item() / scale,
     }
 
@@ -218,9 +289,9 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
     start = time.perf_counter()
     rows: List[Dict] = []
     try:
-        for key, title, build, positions_fn in (MODELS[:1] if quick else MODELS):
-            progress(f"models: {title}, S={seq}, {threads} thread(s)")
-            rows.append(model_row(key, title, build, positions_fn, seq, dtype, repeats, threads))
+        for spec in (MODELS[:1] if quick else MODELS):
+            progress(f"models: {spec[1]}, S={seq}, {threads} thread(s)")
+            rows.append(model_row(spec, seq, dtype, repeats, threads))
         progress("models: decode, 2-layer Llama-3.1-8B shape")
         decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads)
     finally:
@@ -231,7 +302,7 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
 
 def markdown(res: Dict) -> str:
     lines = [
-        f"### Real models with and without RoME ({res['isa']}; one decoder layer from the real "
+        f"### Real models with and without RoME ({res['isa']}; one decoder layer or block from the real "
         f"config, random init, vocabulary cut to {VOCAB}; {res['dtype'].replace('torch.', '')})",
         "",
         "| model | S | threads | forward without RoME | with RoME | speed-up | RoPE's share "
