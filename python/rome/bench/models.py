@@ -291,9 +291,16 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
     try:
         for spec in (MODELS[:1] if quick else MODELS):
             progress(f"models: {spec[1]}, S={seq}, {threads} thread(s)")
-            rows.append(model_row(spec, seq, dtype, repeats, threads))
+            try:
+                rows.append(model_row(spec, seq, dtype, repeats, threads))
+            except Exception as e:  # another library version's API must not stop the benchmark
+                rows.append({"key": spec[0], "title": spec[1], "seq": seq, "threads": threads,
+                             "error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"})
         progress("models: decode, 2-layer Llama-3.1-8B shape")
-        decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads)
+        try:
+            decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads)
+        except Exception as e:
+            decode = {"error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"}
     finally:
         torch.set_num_threads(saved)
     return {"rows": rows, "decode": decode, "isa": rome.active_isa(), "dtype": str(dtype),
@@ -310,6 +317,10 @@ def markdown(res: Dict) -> str:
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for r in res["rows"]:
+        if "error" in r:
+            lines.append(f"| {r['title']} | {r['seq']} | {r['threads']} | failed: {r['error']} "
+                         "| | | | | | |")
+            continue
         lines.append(
             f"| {r['title']} | {r['seq']} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
             f"{r['rome_s'] * 1e3:.1f} ms | {r['speedup_pct']:+.1f}% | "
@@ -317,6 +328,8 @@ def markdown(res: Dict) -> str:
             f"{r['rope_s_rome'] * 1e3:.2f} ms | {r['max_rel_diff']:.1e} | "
             f"{'yes' if r['patched'] else 'NO'} |")
     d = res["decode"]
+    if "error" in d:
+        return "\n".join(lines + ["", f"Decode: failed: {d['error']}"]) + "\n"
     lines += [
         "",
         f"Decode: a 2-layer Llama-3.1-8B-shaped model generating {d['tokens']} tokens after a "
