@@ -120,7 +120,7 @@ inline void load_row_any(const void* base, DType dtype, std::int64_t n, float* o
       for (std::int64_t i = 0; i < n; ++i) out[i] = fp16_to_float(p[i]);
       break;
     }
-    default: break;
+    default: std::memset(out, 0, std::size_t(n) * sizeof(float)); break;  // as load_any
   }
 }
 inline void store_row_any(void* base, DType dtype, std::int64_t n, const float* in) {

@@ -170,9 +170,9 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
 
 // Dense rotations: per outer index (one table row), inner rows in batches of kRowBatch staged
 // as fp32 matrices G, U = G ⊙ C, V = G ⊙ S and X, then products on the ISA kernel. dA/dB are
-// summed in fp32 over at least kMatrixFlushRows rows (whole outer indices) and then added to the
-// caller's double accumulators: where the sums are flushed depends only on the range, so the
-// result does not depend on the thread count.
+// summed in fp32 over kMatrixFlushRows rows (8 batches; fewer at the end of the range) and then
+// added to the caller's double accumulators: where the sums are flushed depends only on the
+// range, so the result does not depend on the thread count.
 constexpr std::int64_t kMatrixFlushRows = 512;
 struct DenseScratch {
   std::vector<float> cos, sin, g, u, v, x, xt, dx, xm, pa, pb;
@@ -280,9 +280,9 @@ void backward_dense_range(const BackwardPlan& bp, const std::vector<float>& a_t,
         if (da) product(rd, rows, rd, s.xt.data(), rows, s.u.data(), rd, s.pa.data(), rd);
         if (db) product(rd, rows, rd, s.xt.data(), rows, s.v.data(), rd, s.pb.data(), rd);
         pending_rows += rows;
+        if (pending_rows >= kMatrixFlushRows) flush_matrix_sums();
       }
     }
-    if (pending_rows >= kMatrixFlushRows) flush_matrix_sums();
     store_table_gradient(bp.dcos, bp.dcos_outer, outer, plan.outer_count, plan.tables.width,
                          s.dc.data(), rd);
     store_table_gradient(bp.dsin, bp.dsin_outer, outer, plan.outer_count, plan.tables.width,

@@ -134,7 +134,8 @@ def _patch_flux(model):
 @contextlib.contextmanager
 def _patch_hf(model):
     with rome.hf.patch_model(model, warn=False) as handle:
-        yield bool(handle.active)
+        # A patched rotary module alone does not make RoME rotate: a modeling module must be.
+        yield bool(handle.patched)
 
 
 def _hf_inputs(positions_fn):

@@ -108,7 +108,8 @@ def _matrix_note(results: Dict) -> List[str]:
     isa = results["machine"].get("isa")
     why = ("AMX tiles" if isa == "amx" else
            f"no AMX on this CPU (ISA {isa}): the FMA path, so the AMX targets are not evaluated here")
-    return [f"Matrix path ({why}); GFLOP/s counts x·M on the diagonal blocks only:", _plain(h, b), ""]
+    return [f"Matrix path ({why}); GFLOP/s counts x·M on the diagonal blocks only (bare mm: the "
+            "whole matrix it multiplies):", _plain(h, b), ""]
 
 
 def _plain(header, body) -> str:

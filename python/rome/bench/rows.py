@@ -57,10 +57,11 @@ class Row:
         """RoME runs this row as matrix products."""
         return self.matrix in ("orthogonal", "forced")
 
-    def matrix_flops(self) -> int:
-        """Flops of x·M on the diagonal blocks (2 per multiply-add), q and k."""
+    def matrix_flops(self, whole: bool = False) -> int:
+        """Flops of x·M on the diagonal blocks (2 per multiply-add), q and k; whole: of the full
+        HEAD × HEAD matrix (what a plain matmul multiplies)."""
         rows = (math.prod(self.q_shape) + (math.prod(self.k_shape) if self.k_shape else 0)) // HEAD
-        return rows * sum(2 * d * d for d in self.dims)
+        return rows * (2 * HEAD * HEAD if whole else sum(2 * d * d for d in self.dims))
 
     @property
     def shape_text(self) -> str:
