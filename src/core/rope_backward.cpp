@@ -142,7 +142,7 @@ void backward_range(const BackwardPlan& bp, std::int64_t begin, std::int64_t end
         math.add_transposed_term(1, s.v.data(), s.dx.data());
         for (std::int64_t j = rd; j < hd; ++j) s.dx[j] = s.g[j];  // pass-through lanes
         char* dx = plan.q.out_base + (off.dx + out) * dtype_size(plan.dtype);
-        for (std::int64_t j = 0; j < hd; ++j) detail::store_any(dx, plan.dtype, j, s.dx[j]);
+        detail::store_row_any(dx, plan.dtype, hd, s.dx.data());
       }
       if (want_x) {
         load_row(bp.x.in_base, bp.x_dtype, off.x + x_rows[row], rd, s.x.data());

@@ -146,9 +146,7 @@ PanelPackedMatrix pack_panels(const std::vector<float>& m, std::int64_t dim,
     packed.padded_columns = std::max(packed.padded_columns, block.offset + panels * width);
   }
   packed.storage.assign(std::size_t(floats) + 16, 0.0f);
-  const auto address = reinterpret_cast<std::uintptr_t>(packed.storage.data());
-  packed.align = (64 - address % 64) % 64 / sizeof(float);
-  float* data = packed.storage.data() + packed.align;
+  float* data = packed.data();
   for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
     const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
     for (std::int64_t i = 0; i < n; ++i)

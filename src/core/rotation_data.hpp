@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 #include "rome/rotation.hpp"
@@ -67,10 +68,14 @@ struct PanelPackedMatrix {
   int width = 0;
   std::vector<std::int64_t> block_first;
   std::int64_t padded_columns = 0;  // the last panel's end: kernels' scratch rows need this many
-  const float* data() const { return storage.data() + align; }
+  std::vector<float> storage;       // the panels plus 16 floats of slack for the alignment
 
-  std::vector<float> storage;
-  std::size_t align = 0;  // floats skipped so that data() is 64-byte aligned
+  // The first 64-byte aligned float of storage (derived, so a copy stays correct).
+  const float* data() const {
+    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+    return storage.data() + (64 - address % 64) % 64 / sizeof(float);
+  }
+  float* data() { return const_cast<float*>(std::as_const(*this).data()); }
 };
 struct PanelPacks {
   PanelPackedMatrix a, b;  // a empty when A = I

@@ -22,18 +22,9 @@ import torch
 import rome
 
 from .layouts import _median_round_robin
+from .measure import faster_of
 
 HEADS, D = 24, 128
-
-
-def _faster(candidates: Dict[str, Callable[[], object]]) -> str:
-    seconds = {}
-    for name, fn in candidates.items():
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        seconds[name] = time.perf_counter() - t0
-    return min(seconds, key=seconds.get)
 
 
 def cell(seq: int, threads: int, repeats: int) -> Dict:
@@ -48,7 +39,7 @@ def cell(seq: int, threads: int, repeats: int) -> Dict:
     work, out = x.clone(), torch.empty_like(x)
     mm = {"bf16": lambda: torch.matmul(x, m, out=out16),
           "fp32": lambda: torch.matmul(x32, m32, out=out32)}
-    mm_dtype = _faster(mm)
+    mm_dtype = faster_of(mm)[0]
 
     grad = torch.randn(x.shape, generator=g).to(torch.bfloat16)
     xg, mg = x.clone().requires_grad_(), m.clone().requires_grad_()
@@ -65,7 +56,7 @@ def cell(seq: int, threads: int, repeats: int) -> Dict:
               "fp32": (x32.clone().requires_grad_(), m32.clone().requires_grad_(), cos.float(),
                        sin.float(), grad.float())}
     train = {k: (lambda v=v: torch_train(*v)) for k, v in leaves.items()}
-    train_dtype = _faster(train)
+    train_dtype = faster_of(train)[0]
 
     fns = {
         "bare_mm": mm[mm_dtype],

@@ -5,11 +5,23 @@ import math
 import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Callable, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 
 from .rows import Inputs, matrix64
+
+def faster_of(candidates: Dict[str, Callable[[], object]]) -> Tuple[str, Dict[str, float]]:
+    """The name of the faster callable after one warm-up and one timed call each, and every
+    candidate's time (to pick the dtype a baseline runs in, e.g. torch's bf16 vs fp32 matmul)."""
+    seconds = {}
+    for name, fn in candidates.items():
+        fn()
+        t0 = time.perf_counter()
+        fn()
+        seconds[name] = time.perf_counter() - t0
+    return min(seconds, key=seconds.get), seconds
+
 
 def median_per_call_s(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
     """Seconds per call: `inner` warm-up calls, then the median over `samples` runs of `inner`

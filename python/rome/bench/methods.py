@@ -168,7 +168,7 @@ def build_bare_matmul(inp: Inputs) -> Prepared:
     preallocated output: the faster of the bf16 matmul and the fp32 matmul on copies converted
     beforehand (on CPUs without bf16 hardware torch's bf16 matmul is ~10x slower than its sgemm).
     A block-diagonal matrix is multiplied whole, as a user without RoME would."""
-    import time
+    from .measure import faster_of
 
     row = inp.row
     if not row.matrix_path:
@@ -177,22 +177,15 @@ def build_bare_matmul(inp: Inputs) -> Prepared:
     m32 = _combined_matrix(inp, torch.float32)
     x32, out32 = x.float(), torch.empty(x.shape, dtype=torch.float32)
     m16, out16 = m32.to(x.dtype), torch.empty_like(x)
-    candidates = [
-        (lambda: (torch.matmul(x32, m32, out=out32),), torch.float32, "fp32"),
-        (lambda: (torch.matmul(x, m16, out=out16),), x.dtype, str(x.dtype).replace("torch.", "")),
-    ]
-    seconds = []
-    for fn, _, _ in candidates:
-        fn()
-        t0 = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - t0)
-    best = min(range(2), key=lambda i: seconds[i])
-    fn, dtype, name = candidates[best]
-    other = candidates[1 - best][2]
-    note = (f"torch.matmul(x, M, out=) in {name} (one trial call each: {other} took "
-            f"{seconds[1 - best] / seconds[best]:.1f}x as long); fp32 on copies converted beforehand")
-    return Prepared(fn, note, dtype=dtype, out_dtype=dtype)
+    low = str(x.dtype).replace("torch.", "")
+    fns = {"fp32": lambda: (torch.matmul(x32, m32, out=out32),),
+           low: lambda: (torch.matmul(x, m16, out=out16),)}
+    best, seconds = faster_of(fns)
+    other = low if best == "fp32" else "fp32"
+    dtype = torch.float32 if best == "fp32" else x.dtype
+    note = (f"torch.matmul(x, M, out=) in {best} (one trial call each: {other} took "
+            f"{seconds[other] / seconds[best]:.1f}x as long); fp32 on copies converted beforehand")
+    return Prepared(fns[best], note, dtype=dtype, out_dtype=dtype)
 
 
 def _finish(f, args, compiled: bool, note: str) -> Prepared:

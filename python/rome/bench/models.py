@@ -16,6 +16,7 @@ runs about 10x slower than its sgemm and no user would run a model that way.
 
 import contextlib
 import statistics
+import sys
 import time
 from typing import Callable, Dict, List
 
@@ -118,8 +119,6 @@ def _flux_inputs(seq: int, dtype: torch.dtype) -> Dict:
 def _patch_flux(model):
     """diffusers has no hook for it: Flux's attention processors call the name
     `apply_rotary_emb` their module imported from diffusers.models.embeddings."""
-    import sys
-
     import rome.diffusers
 
     module = sys.modules["diffusers.models.transformers.transformer_flux"]
@@ -166,8 +165,6 @@ class _RopeTimer:
     forward to sum the time spent in them (and count the function's calls)."""
 
     def __init__(self, model: torch.nn.Module, module_name: str, function: str):
-        import sys
-
         self.seconds = 0.0
         self.calls = 0
         self.module = sys.modules[module_name]

@@ -14,8 +14,8 @@ PRECISION_COLUMNS = ["small", "axis_matrix", "matrix", "compile_small", "compile
                      "rome_inplace"]
 SHORT = {
     "small": "small ops", "axis_matrix": "axis mats", "matrix": "matrix", "compile_small": "cmp small",
-    "compile_matrix": "cmp matrix", "ort": "ORT fp16", "bare_mm": "bare mm", "rome": "RoME", "rome_inplace": "RoME inpl",
-    "rome_cpp": "RoME C++", "floor": "floor", "floor_cpp": "floor C++",
+    "compile_matrix": "cmp matrix", "ort": "ORT fp16", "bare_mm": "bare mm", "rome": "RoME",
+    "rome_inplace": "RoME inpl", "rome_cpp": "RoME C++", "floor": "floor", "floor_cpp": "floor C++",
 }
 TARGET_TEXT = {
     "x20_vs_small": ">= 20x faster than small ops",
@@ -303,8 +303,8 @@ def write_png(results: Dict, path: Path):
     small = [r for r in results["rows"] if r["decode"]]
     colors = {
         "small": "#d62728", "axis_matrix": "#ff9896", "matrix": "#ff7f0e", "compile_small": "#9467bd",
-        "compile_matrix": "#c5b0d5", "ort": "#8c564b", "bare_mm": "#7f7f7f", "rome": "#1f77b4", "rome_inplace": "#aec7e8",
-        "rome_cpp": "#17becf", "floor": "#2ca02c", "floor_cpp": "#98df8a",
+        "compile_matrix": "#c5b0d5", "ort": "#8c564b", "bare_mm": "#7f7f7f", "rome": "#1f77b4",
+        "rome_inplace": "#aec7e8", "rome_cpp": "#17becf", "floor": "#2ca02c", "floor_cpp": "#98df8a",
     }
     panels = [(big, 1e3, "ms per call (log)")] + ([(small, 1e6, "µs per call (log)")] if small else [])
     widths = [max(1, len(p[0])) * 1.0 for p in panels]
