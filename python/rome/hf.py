@@ -7,28 +7,33 @@
   [3, B, S, D] per position axis, ``mrope_section`` e.g. [16, 24, 24]). transformers 5.x folds the
   section selection into ``Qwen2VLRotaryEmbedding`` and calls plain ``apply_rotary_pos_emb``, so
   :func:`patch_model` covers Qwen2-VL's text model there.
-- :func:`patch_model` / :func:`patch_module` — make a loaded model's attention layers use RoME;
-  :func:`patch_model` also replaces the forward of the model's Llama-style rotary embedding
-  modules (``inv_freq`` + ``attention_scaling``: rope types default, linear, dynamic, yarn,
-  longrope, llama3 and every other type whose module computes ``cos/sin(position × inv_freq) ·
-  attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`): the module's
-  ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin exact to fp32 at any
-  position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE modules (Qwen2-VL's
-  section selection) are left alone and listed in ``skipped``.
+- :func:`patch_model` / :func:`patch_module` — make a loaded model's attention layers use RoME.
+  They recognise every RoPE function transformers 5.23's modeling modules define (all 190 that
+  define ``apply_rotary_pos_emb`` or DeepSeek-V3's MLA ``apply_rotary_pos_emb_interleave``):
+  Llama's, partial rotary, the fp32 up-casting forms (OLMo, ModernBERT, Cohere, Ernie), the
+  interleaved ones (GPT-J, Cohere, GLM, Helium, DeepSeek-V4's trailing rope lanes), MLA's
+  de-interleave, single-tensor (Gemma-3n/4), q/k/v (CLVP), prefix tokens (DINOv3) and the rest;
+  see rome/_hf_forms.py. :func:`patch_model` also replaces the forward of the model's Llama-style
+  rotary embedding modules (``inv_freq`` + ``attention_scaling``: rope types default, linear,
+  dynamic, yarn, longrope, llama3 and every other type whose module computes ``cos/sin(position ×
+  inv_freq) · attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
+  the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin exact
+  to fp32 at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
+  modules (Qwen2-VL's section selection) are left alone and listed in ``skipped``.
 
-Results equal transformers' function: same output shapes and dtypes (the promoted dtype of q and
-the tables, as ``q * cos`` gives), with the values of the same formula. RoME computes in fp32 and
-rounds once, where transformers rounds ``q * cos``, ``rotate_half(q) * sin`` and their sum to the
-output dtype: in fp32 the two agree to a few fp32 ulps, in bf16/fp16 to one ulp of the result plus
-half an ulp of each product (see tests/python/test_dropins.py). Inputs RoME does not take (not on
-the CPU, float64, rank above 5, tables that broadcast q to a larger shape) run transformers'
-formula in eager PyTorch instead, so the drop-in never fails where transformers would not.
+Results equal transformers' function: same output shapes and dtypes (for Llama's, the promoted
+dtype of q and the tables, as ``q * cos`` gives; for up-casting forms, q's), with the values of
+the same formula (tests/python/test_hf_coverage.py checks every module's against float64). RoME
+computes in fp32 and rounds once, where transformers rounds ``q * cos``, ``rotate_half(q) * sin``
+and their sum to the output dtype: in fp32 the two agree to a few fp32 ulps, in bf16/fp16 to one
+ulp of the result plus half an ulp of each product (see tests/python/test_dropins.py). Inputs RoME
+does not take (not on the CPU, float64, rank above 5, tables that broadcast q to a larger shape)
+run transformers' formula in eager PyTorch instead, so the drop-in never fails where transformers
+would not. Under ``torch.compile`` the forms beyond Llama's and the partial one run the module's
+own function (RoME's fake kernels do not validate, so a refusal could not fall back there).
 """
 
-import ast
-import inspect
 import sys
-import textwrap
 import threading
 import warnings
 from types import ModuleType
@@ -36,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import _hf_forms as forms
 from . import ops
 from . import tables as rome_tables
 
@@ -279,21 +285,15 @@ def apply_multimodal_rotary_pos_emb(q, k, cos, sin, mrope_section, unsqueeze_dim
 # ------------------------------------------------------------------------------------------------
 # Patching a loaded model.
 
-# The function bodies RoME replaces, as transformers writes them (compared as syntax trees, so
-# formatting, comments, docstrings and decorators do not matter).
-_ROTATE_HALF = """
-def rotate_half(x):
-    x1 = x[..., : x.shape[-1] // 2]
-    x2 = x[..., x.shape[-1] // 2 :]
-    return torch.cat((-x2, x1), dim=-1)
-"""
-
+# The Llama function and its partial-rotary form, as transformers writes them (compared as syntax
+# trees with each helper named by its kind, so formatting, comments, docstrings, decorators and
+# the helper's own name do not matter; see rome._hf_forms). The other forms live there.
 _LLAMA_BODY = """
 def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     cos = cos.unsqueeze(unsqueeze_dim)
     sin = sin.unsqueeze(unsqueeze_dim)
-    q_embed = (q * cos) + (rotate_half(q) * sin)
-    k_embed = (k * cos) + (rotate_half(k) * sin)
+    q_embed = (q * cos) + (ROTATE_HALF(q) * sin)
+    k_embed = (k * cos) + (ROTATE_HALF(k) * sin)
     return q_embed, k_embed
 """
 
@@ -306,8 +306,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     rotary_dim = cos.shape[-1]
     q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = q_rot * cos + rotate_half(q_rot) * sin
-    k_embed = k_rot * cos + rotate_half(k_rot) * sin
+    q_embed = q_rot * cos + ROTATE_HALF(q_rot) * sin
+    k_embed = k_rot * cos + ROTATE_HALF(k_rot) * sin
     q_embed = torch.cat([q_embed, q_pass], dim=-1)
     k_embed = torch.cat([k_embed, k_pass], dim=-1)
     return q_embed, k_embed
@@ -319,8 +319,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     rotary_dim = cos.shape[-1]
     q_rot, q_pass = q[..., :rotary_dim], q[..., rotary_dim:]
     k_rot, k_pass = k[..., :rotary_dim], k[..., rotary_dim:]
-    q_embed = torch.cat([(q_rot * cos) + (rotate_half(q_rot) * sin), q_pass], dim=-1)
-    k_embed = torch.cat([(k_rot * cos) + (rotate_half(k_rot) * sin), k_pass], dim=-1)
+    q_embed = torch.cat([(q_rot * cos) + (ROTATE_HALF(q_rot) * sin), q_pass], dim=-1)
+    k_embed = torch.cat([(k_rot * cos) + (ROTATE_HALF(k_rot) * sin), k_pass], dim=-1)
     return q_embed, k_embed
 """,
     """
@@ -330,8 +330,8 @@ def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
     rot_dim = cos.shape[-1]
     q, q_pass = q[..., :rot_dim], q[..., rot_dim:]
     k, k_pass = k[..., :rot_dim], k[..., rot_dim:]
-    q_embed = q * cos + rotate_half(q) * sin
-    k_embed = k * cos + rotate_half(k) * sin
+    q_embed = q * cos + ROTATE_HALF(q) * sin
+    k_embed = k * cos + ROTATE_HALF(k) * sin
     return torch.cat((q_embed, q_pass), dim=-1), torch.cat((k_embed, k_pass), dim=-1)
 """,
 )
@@ -363,89 +363,77 @@ def forward(self, x, position_ids):
 """,
 )
 
-_SIG_V5 = ["q", "k", "cos", "sin", "unsqueeze_dim"]
-_SIG_V4 = ["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"]
+# transformers modeling modules (by file name) whose apply_rotary_pos_emb (or MLA
+# apply_rotary_pos_emb_interleave) RoME does not serve, with why. Empty for transformers 5.23: all
+# 190 of its importable modules defining either function are served.
+NOT_SERVED: Dict[str, str] = {}
 
+_SIG_V5 = (["q", "k", "cos", "sin", "unsqueeze_dim"], [1], None)
+_SIG_V4 = (["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"], [None, 1], None)
 
-def _function_def(source: str) -> Optional[ast.FunctionDef]:
-    try:
-        tree = ast.parse(textwrap.dedent(source))
-    except SyntaxError:
-        return None
-    fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
-    return fns[0] if len(fns) == 1 else None
-
-
-def _body_key(fn: ast.FunctionDef) -> str:
-    body = list(fn.body)
-    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant) \
-            and isinstance(body[0].value.value, str):
-        body = body[1:]  # the docstring
-    return "\n".join(ast.dump(stmt, annotate_fields=False) for stmt in body)
-
-
-def _signature(fn: ast.FunctionDef) -> Tuple[List[str], list]:
-    args = fn.args
-    if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs:
-        return [], []
-    defaults = [ast.literal_eval(d) if isinstance(d, ast.Constant) else object()
-                for d in args.defaults]
-    return [a.arg for a in args.args], defaults
-
-
-def _key_of(source: str) -> Optional[str]:
-    fn = _function_def(source)
-    return None if fn is None else _body_key(fn)
-
-
+_key_of = forms.key_of
+_source_of = forms.source_of
 _LLAMA_KEY = _key_of(_LLAMA_BODY)
 _ROTARY_FORWARD_KEYS = {_key_of(src) for src in _ROTARY_FORWARD_BODIES}
 _PARTIAL_KEYS = {_key_of(src) for src in _PARTIAL_BODIES}
-_ROTATE_HALF_KEY = _key_of(_ROTATE_HALF)
-
-
-def _source_of(obj) -> Optional[str]:
-    try:
-        return inspect.getsource(inspect.unwrap(obj))
-    except (TypeError, OSError, ValueError):
-        return None
 
 
 def _contract(module: ModuleType):
-    """(replacement, None) when `module`'s apply_rotary_pos_emb is a contract RoME replaces, else
+    """(replacement, None) when `module`'s apply_rotary_pos_emb is a form RoME serves, else
     (None, reason)."""
     original = module.__dict__.get("apply_rotary_pos_emb")
     if original is None:
         return None, "no apply_rotary_pos_emb"
     if not callable(original):
         return None, "apply_rotary_pos_emb is not callable"
-    fn = _function_def(_source_of(original) or "")
+    fn = forms.function_def(_source_of(original) or "")
     if fn is None:
         return None, "source of apply_rotary_pos_emb unavailable"
-    rotate = module.__dict__.get("rotate_half")
-    if rotate is None or _key_of(_source_of(rotate) or "") != _ROTATE_HALF_KEY:
-        return None, "rotate_half is not transformers' NeoX rotate_half"
     if module.__dict__.get("torch") is not torch:
         return None, "'torch' in the module is not torch"
-    names, defaults = _signature(fn)
-    key = _body_key(fn)
+    signature = forms.signature(fn)
+    key = forms.canonical_key(fn, module.__dict__)
     if key == _LLAMA_KEY:
-        if names == _SIG_V5 and defaults == [1]:
+        if signature == _SIG_V5:
             return _apply_rotary_pos_emb_v5, None
-        if names == _SIG_V4 and defaults == [None, 1]:
+        if signature == _SIG_V4:
             return apply_rotary_pos_emb, None
     elif key in _PARTIAL_KEYS:
-        if names == _SIG_V5 and defaults == [1]:
+        if signature == _SIG_V5:
             return _apply_partial_rotary_pos_emb, None
-        if names == _SIG_V4 and defaults == [None, 1]:
+        if signature == _SIG_V4:
             return _apply_partial_rotary_pos_emb_v4, None
-    return None, "apply_rotary_pos_emb differs from the Llama / partial-rotary contract"
+    form = forms.FORM_BY_KEY.get(key)
+    if form is not None and signature == form.signature:
+        return forms.make_replacement(form, original), None
+    return None, "apply_rotary_pos_emb (with the helpers it calls) is no form RoME serves"
 
 
+def _interleave_contract(module: ModuleType):
+    """For a module defining ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3's MLA path and its
+    kin): (replacement, None), or (None, reason). (None, None) for modules without it."""
+    original = module.__dict__.get("apply_rotary_pos_emb_interleave")
+    if original is None:
+        return None, None
+    fn = forms.function_def(_source_of(original) or "") if callable(original) else None
+    if fn is not None:
+        form = forms.INTERLEAVE_FORM_BY_KEY.get(forms.canonical_key(fn, module.__dict__))
+        if form is not None and forms.signature(fn) == form.signature:
+            return forms.make_replacement(form, original), None
+    return None, "apply_rotary_pos_emb_interleave is no form RoME serves"
+
+
+# The module-level functions patch_module replaces (attention layers look them up at call time).
+_PATCHED_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
 _REPLACEMENTS = (_apply_rotary_pos_emb_v5, apply_rotary_pos_emb, _apply_partial_rotary_pos_emb,
                  _apply_partial_rotary_pos_emb_v4)
 _LOCK = threading.Lock()
-_ACTIVE: Dict[str, list] = {}  # module name -> [original, replacement, reference count]
+# module name -> [{function name: (original, replacement)}, reference count]
+_ACTIVE: Dict[str, list] = {}
+
+
+def _is_current(module: ModuleType, swaps: dict) -> bool:
+    return all(module.__dict__.get(fn) is new for fn, (_, new) in swaps.items())
 
 
 @torch.no_grad()
@@ -527,12 +515,12 @@ class HFPatch:
                 entry = _ACTIVE.get(name)
                 if entry is None:
                     continue
-                entry[2] -= 1
-                if entry[2] == 0:
+                entry[1] -= 1
+                if entry[1] == 0:
                     module = sys.modules.get(name)
-                    current = None if module is None else module.__dict__.get("apply_rotary_pos_emb")
-                    if current is entry[1]:
-                        module.apply_rotary_pos_emb = entry[0]
+                    for fn, (old, new) in entry[0].items():
+                        if module is not None and module.__dict__.get(fn) is new:
+                            setattr(module, fn, old)
                     del _ACTIVE[name]
 
     remove = undo
@@ -554,19 +542,32 @@ def _patch_modules(modules: Sequence[ModuleType]) -> HFPatch:
         for module in modules:
             name = module.__name__
             entry = _ACTIVE.get(name)
-            if entry is not None and module.__dict__.get("apply_rotary_pos_emb") is entry[1]:
-                entry[2] += 1
+            if entry is not None and _is_current(module, entry[0]):
+                entry[1] += 1
                 patched.append(name)
                 continue
-            if module.__dict__.get("apply_rotary_pos_emb") in _REPLACEMENTS:
+            if any(f in _REPLACEMENTS or hasattr(f, "rome_form")
+                   for f in (module.__dict__.get(n) for n in _PATCHED_NAMES)):
                 skipped[name] = "already RoME's function (set outside patch_model)"
                 continue
+            swaps = {}
             replacement, reason = _contract(module)
-            if replacement is None:
-                skipped[name] = reason
+            if replacement is not None:
+                swaps["apply_rotary_pos_emb"] = (module.apply_rotary_pos_emb, replacement)
+            mla, mla_reason = _interleave_contract(module)
+            if mla is not None:
+                swaps["apply_rotary_pos_emb_interleave"] = (
+                    module.apply_rotary_pos_emb_interleave, mla)
+            if not swaps:
+                skipped[name] = reason if mla_reason is None else f"{reason}; {mla_reason}"
                 continue
-            _ACTIVE[name] = [module.apply_rotary_pos_emb, replacement, 1]
-            module.apply_rotary_pos_emb = replacement
+            if replacement is None and "apply_rotary_pos_emb" in module.__dict__:
+                skipped[name + ".apply_rotary_pos_emb"] = reason
+            if mla_reason is not None:
+                skipped[name + ".apply_rotary_pos_emb_interleave"] = mla_reason
+            _ACTIVE[name] = [swaps, 1]
+            for fn, (_, new) in swaps.items():
+                setattr(module, fn, new)
             patched.append(name)
     return HFPatch(patched, skipped)
 
@@ -583,13 +584,13 @@ def patch_module(module: ModuleType) -> HFPatch:
 def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) -> HFPatch:
     """Makes a loaded transformers model compute RoPE with RoME.
 
-    transformers' attention layers (Llama, Mistral, Qwen2, Qwen2-VL's text model, Gemma, Phi-3,
-    GPT-NeoX, and every model whose modeling file carries the Llama function) call the module-level
-    ``apply_rotary_pos_emb`` of their modeling module, looked up at call time. This replaces that
-    name in each modeling module the model's layers (and their base classes) come from, when the
-    function there is transformers' Llama one or its partial-rotary form, with the module's own
-    ``rotate_half`` the NeoX one; variants with other math (interleaved rotate_half as in Cohere,
-    fp32 up-casts as in ModernBERT, ...) are left alone and listed in ``skipped``.
+    transformers' attention layers call the module-level ``apply_rotary_pos_emb`` (and, in
+    DeepSeek-V3-style MLA, ``apply_rotary_pos_emb_interleave``) of their modeling module, looked up
+    at call time. This replaces those names in each modeling module the model's layers (and their
+    base classes) come from, when the function there is one of the forms RoME serves (its syntax
+    tree, with the helpers it calls, equals a known transformers form: see rome/_hf_forms.py);
+    anything else is left alone and listed in ``skipped``. A replaced function still runs the
+    module's own where RoME's kernel refuses the inputs (float64, not on the CPU, ...).
 
     The patch is per modeling module, so it affects every model of that architecture in the
     process until undone. Patches nest (a module is restored when its last patch is undone).
@@ -610,7 +611,7 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
                 continue
             names.append(name)
     modules = [sys.modules[n] for n in names
-               if n in sys.modules and "apply_rotary_pos_emb" in sys.modules[n].__dict__]
+               if n in sys.modules and any(f in sys.modules[n].__dict__ for f in _PATCHED_NAMES)]
     handle = _patch_modules(modules)
     if rotary:
         with _LOCK:

@@ -352,14 +352,36 @@ def test_patch_model_generate_and_context_manager():
     assert torch.equal(out, ref)
 
 
-def test_patch_leaves_other_variants_alone():
-    """Cohere's rotate_half is interleaved and ModernBERT computes in fp32: not patched."""
-    for name in ("transformers.models.cohere.modeling_cohere",
-                 "transformers.models.modernbert.modeling_modernbert"):
-        module = _need(name)
+_NOT_A_FORM = """
+import torch
+
+def rotate_half(x):
+    x1 = x[..., : x.shape[-1] // 2]
+    x2 = x[..., x.shape[-1] // 2 :]
+    return torch.cat((-x2, x1), dim=-1)
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = (q * cos) - (rotate_half(q) * sin)
+    k_embed = (k * cos) + (rotate_half(k) * sin)
+    return q_embed, k_embed
+"""
+
+
+def test_patch_leaves_other_variants_alone(tmp_path, monkeypatch):
+    """A function RoME has no form for (here Llama's with one sign flipped, or Llama's calling a
+    rotate_half with other math) is left alone, with the reason in `skipped`."""
+    (tmp_path / "rome_not_a_form.py").write_text(_NOT_A_FORM)
+    (tmp_path / "rome_other_helper.py").write_text(
+        _NOT_A_FORM.replace("(q * cos) - (rotate_half(q)", "(q * cos) + (rotate_half(q)")
+        .replace("torch.cat((-x2, x1)", "torch.cat((x1, -x2)"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for name in ("rome_not_a_form", "rome_other_helper"):
+        module = importlib.import_module(name)
         before = module.apply_rotary_pos_emb
         handle = rome.hf.patch_module(module)
-        assert handle.patched == [] and name in handle.skipped, handle
+        assert handle.patched == [] and "no form RoME serves" in handle.skipped[name], handle
         assert module.apply_rotary_pos_emb is before
         handle.undo()
     with pytest.warns(UserWarning, match="nothing patched"):

@@ -1,0 +1,363 @@
+"""rome.hf serves every RoPE function transformers' modeling modules define.
+
+For each modeling module of the installed transformers that defines ``apply_rotary_pos_emb``:
+patch_module must serve it (or the module must be listed in rome.hf.NOT_SERVED with its reason),
+and on inputs drawn for its form the replacement must
+
+- run RoME's op (a profiler check),
+- give the original's output shapes and dtypes,
+- be correctly rounded against the original function evaluated in float64 on the same inputs
+  (RoME computes in fp32 and rounds once: within one ulp of the output dtype plus fp32 noise of
+  the terms, |x| · (|cos| + |sin|) <= 2 · max|x|),
+
+in fp32 and bf16, with tables in the input's dtype and in fp32.
+"""
+
+import importlib
+import pkgutil
+import sys
+import warnings
+
+import pytest
+import torch
+
+import rome.hf
+
+U32 = 2.0 ** -24
+
+
+def _modules_with_rope():
+    try:
+        import transformers.models as models
+    except Exception as exc:
+        pytest.skip(f"transformers cannot be imported: {exc}")
+    found, failed = [], []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for family in pkgutil.iter_modules(models.__path__):
+            package = f"transformers.models.{family.name}"
+            try:
+                pkg = importlib.import_module(package)
+            except Exception:
+                failed.append(package)
+                continue
+            for sub in pkgutil.iter_modules(getattr(pkg, "__path__", [])):
+                if not sub.name.startswith("modeling_"):
+                    continue
+                try:
+                    module = importlib.import_module(f"{package}.{sub.name}")
+                except Exception:
+                    failed.append(f"{package}.{sub.name}")
+                    continue
+                if "apply_rotary_pos_emb" in module.__dict__ or \
+                        "apply_rotary_pos_emb_interleave" in module.__dict__:
+                    found.append(module)
+    if failed:
+        print(f"not importable here ({len(failed)}): {failed}", file=sys.stderr)
+    return found
+
+
+@pytest.fixture(scope="module")
+def rope_modules():
+    return _modules_with_rope()
+
+
+def _tables(shape, generator):
+    angle = torch.rand(shape, generator=generator, dtype=torch.float64) * 20 - 10
+    return angle.cos().float(), angle.sin().float()
+
+
+def _draw(form: str, generator):
+    """Arguments (fp32) for a function of `form`: B 2, q heads 3, k heads 2 (GQA), S 5, D 16."""
+    b, s, d = 2, 5, 16
+
+    def x(heads, tokens=s, dim=d):
+        return torch.randn(b, heads, tokens, dim, generator=generator)
+
+    q, k = x(3), x(2)
+    if form in ("llama", "llama_each_own_dtype", "half_fp32_as_q", "pairs_fp32_as_q",
+                "pairs_full", "half_negated", "pairs_from_half_table",
+                "pairs_from_half_table_fp32_as_q", "pairs_from_stacked_freqs"):
+        return (q, k, *_tables((b, s, d), generator))
+    if form in ("partial", "pairs_from_half_table_partial", "pairs_full_partial",
+                "half_partial_k_optional"):
+        return (q, k, *_tables((b, s, d // 2), generator))
+    if form in ("half_halves_table", "pairs_pairs_table"):
+        return (q, k, *_tables((b, s, d // 2), generator))
+    if form == "half_single":
+        return (q, *_tables((b, s, d), generator))
+    if form == "pairs_trailing":
+        return (q, *_tables((b, s, 4), generator))  # rope on the last 8 of 16 lanes
+    if form == "half_after_prefix_tokens":
+        cos, sin = _tables((s, d), generator)
+        return (x(3, s + 2), x(2, s + 2), cos, sin)  # a cls and a register token first
+    if form == "pairs_gptj":
+        sin_cos = _tables((b, s, d // 2), generator)
+        return (torch.randn(b, s, 3, d, generator=generator), sin_cos[1], sin_cos[0])
+    if form == "half_qkv_gathered":
+        cos, sin = _tables((11, d), generator)
+        positions = torch.randint(0, 11, (b, s), generator=generator)
+        return (q, k, x(2), cos, sin, positions)
+    if form == "half_q_last_positions":
+        return (x(3, 2), k, *_tables((b, s, d), generator))
+    raise AssertionError(f"no inputs drawn for form {form}")
+
+
+def _form_of(replacement) -> str:
+    name = getattr(replacement, "rome_form", None)
+    if name is not None:
+        return name
+    if replacement in (rome.hf._apply_rotary_pos_emb_v5, rome.hf.apply_rotary_pos_emb):
+        return "llama"
+    if replacement in (rome.hf._apply_partial_rotary_pos_emb,
+                       rome.hf._apply_partial_rotary_pos_emb_v4):
+        return "partial"
+    raise AssertionError(f"unknown replacement {replacement}")
+
+
+def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    fi = torch.finfo(dtype)
+    mag = values.abs().clamp_min(fi.tiny)
+    return torch.exp2(torch.floor(torch.log2(mag))) * fi.eps
+
+
+def _as_tuple(out):
+    return out if isinstance(out, tuple) else (out,)
+
+
+def _is_table(form, index, value):
+    """Whether argument `index` of `form` is a cos/sin table (cast with the tables' dtype)."""
+    if not torch.is_tensor(value) or not value.is_floating_point():
+        return False
+    first_table = {"half_single": 1, "pairs_trailing": 1, "pairs_gptj": 1,
+                   "half_qkv_gathered": 3}.get(form, 2)
+    return first_table <= index < first_table + 2
+
+
+@pytest.mark.one_isa
+def test_every_module_is_served(rope_modules):
+    served = []
+    for module in rope_modules:
+        handle = rome.hf.patch_module(module)
+        try:
+            partly = [k for k in handle.skipped if k.startswith(module.__name__ + ".")]
+            if module.__name__ in handle.patched and not partly:
+                served.append(module.__name__)
+            else:
+                assert module.__name__.rsplit(".", 1)[-1] in rome.hf.NOT_SERVED, \
+                    f"{module.__name__} not served ({handle.skipped}) " \
+                    "and not listed in rome.hf.NOT_SERVED"
+        finally:
+            handle.undo()
+    print(f"served {len(served)} of {len(rope_modules)} modules", file=sys.stderr)
+    assert len(served) >= 0.95 * len(rope_modules)
+
+
+def _check_against_float64(name, form, original, replacement, args32, dtype, table_dtype):
+    """Failures of `replacement` (RoME's) against `original` on `args32` cast to `dtype`."""
+    args = tuple(
+        a.to(table_dtype) if _is_table(form, i, a)
+        else a.to(dtype) if torch.is_tensor(a) and a.is_floating_point() else a
+        for i, a in enumerate(args32))
+    wide = tuple(a.double() if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
+    expected = _as_tuple(original(*args))
+    exact = _as_tuple(original(*wide))
+    with torch.profiler.profile() as prof:
+        got = _as_tuple(replacement(*args))
+    if not any(e.name == "rome::rope" for e in prof.events()):
+        return [f"{name}: rome::rope did not run"]
+    failures = []
+    scale = max(a.abs().max().item() for a in args if torch.is_tensor(a) and a.is_floating_point())
+    for g, e, x in zip(got, expected, exact):
+        if g.shape != e.shape or g.dtype != e.dtype:
+            failures.append(f"{name}: {tuple(g.shape)} {g.dtype} vs the original's "
+                            f"{tuple(e.shape)} {e.dtype}")
+            continue
+        bound = _ulp(x, g.dtype) + 8 * U32 * 2 * scale
+        err = (g.double() - x).abs()
+        if not bool((err <= bound).all()):
+            failures.append(f"{name}: max error {err.max().item():.3g} over the bound")
+    # Inputs RoME does not take (float64) run the module's own function.
+    for g, x in zip(_as_tuple(replacement(*wide)), exact):
+        if not torch.equal(g, x):
+            failures.append(f"{name}: float64 inputs did not run the original")
+    return failures
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("tables", ["same", "fp32"])
+def test_every_served_module_matches_float64(rope_modules, dtype, tables):
+    generator = torch.Generator().manual_seed(7)
+    table_dtype = dtype if tables == "same" else torch.float32
+    checked, mla_checked, failures = 0, 0, []
+    for module in rope_modules:
+        original = module.__dict__.get("apply_rotary_pos_emb")
+        mla_original = module.__dict__.get("apply_rotary_pos_emb_interleave")
+        handle = rome.hf.patch_module(module)
+        try:
+            if module.__name__ not in handle.patched:
+                continue
+            if original is not None:
+                replacement = module.apply_rotary_pos_emb
+                form = _form_of(replacement)
+                failures += _check_against_float64(f"{module.__name__} ({form})", form,
+                                                   original, replacement,
+                                                   _draw(form, generator), dtype, table_dtype)
+                checked += 1
+            if mla_original is not None:
+                # DeepSeek-V3's MLA path; the tables' second half is never read.
+                mla = module.apply_rotary_pos_emb_interleave
+                if mla is mla_original:
+                    failures.append(f"{module.__name__}: apply_rotary_pos_emb_interleave not "
+                                    f"patched ({handle.skipped})")
+                    continue
+                q, k, cos, sin = _draw("llama", generator)
+                failures += _check_against_float64(
+                    f"{module.__name__} ({mla.rome_form})", "llama", mla_original, mla,
+                    (q, k[:, :1], cos, sin), dtype, table_dtype)
+                mla_checked += 1
+        finally:
+            handle.undo()
+        assert module.__dict__.get("apply_rotary_pos_emb") is original
+        assert module.__dict__.get("apply_rotary_pos_emb_interleave") is mla_original
+    assert not failures, "\n".join(failures)
+    with_function = [m for m in rope_modules if "apply_rotary_pos_emb" in m.__dict__]
+    assert checked >= 0.95 * len(with_function), checked
+    assert mla_checked >= 12, mla_checked
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole models: a tiny random-init causal LM of every family transformers can build from its
+# default config shrunk (4 layers, so hybrid models reach an attention layer).
+
+_SHRINK = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               moe_intermediate_size=32, num_experts=4, n_routed_experts=4,
+               num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
+               rotary_dim=8, pad_token_id=0, n_group=1, topk_group=1)
+# Retried in turn where the shrunk config does not build or run (MLA heads, explicit head dims).
+_MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1)
+_VARIANTS = ({}, {"head_dim": 16}, {"num_key_value_heads": 4},
+             {"num_key_value_heads": 4, "head_dim": 16}, _MLA, {**_MLA, "rope_interleave": True})
+_MAX_PARAMS = 10_000_000
+
+
+def _tiny_causal_lm(model_type: str, dtype: torch.dtype):
+    """(model, None) or (None, why it cannot be built here)."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    cls = getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+    if cls is None:
+        return None, "no causal-LM class"
+    why = "no variant"
+    for variant in _VARIANTS:
+        try:
+            config = transformers.AutoConfig.for_model(model_type)
+            for key, value in {**_SHRINK, **variant}.items():
+                if hasattr(config, key):
+                    setattr(config, key, value)
+            config._attn_implementation = "eager"
+            with torch.device("meta"):
+                params = sum(p.numel() for p in cls(config).parameters())
+            if params > _MAX_PARAMS:
+                return None, f"{params / 1e6:.0f}M parameters when shrunk"
+            torch.manual_seed(0)
+            model = cls(config).eval().to(dtype)
+            with torch.no_grad():
+                model(torch.randint(1, 100, (1, 7)), use_cache=False)
+            return model, None
+        except Exception as exc:  # a config this generic shrink does not fit
+            why = f"{type(exc).__name__}: {str(exc)[:80]}"
+    return None, why
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.float()
+
+
+@pytest.mark.one_isa
+def test_tiny_model_of_every_family_same_logits(rope_modules):
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    served = {m.__name__ for m in rope_modules}
+    ran, not_built, failures = [], {}, []
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            model, why = _tiny_causal_lm(model_type, torch.float32)
+            if model is None:
+                not_built[model_type] = why
+                continue
+            module = sys.modules[type(model).__module__]
+            if module.__name__ not in served:
+                continue
+            originals = {n: module.__dict__[n] for n in rome.hf._PATCHED_NAMES
+                         if n in module.__dict__}
+            calls = []
+
+            def counting(fn):
+                def count(*args, **kwargs):
+                    calls.append(1)
+                    return fn(*args, **kwargs)
+                return count
+
+            for n, fn in originals.items():
+                setattr(module, n, counting(fn))
+            try:
+                ref32 = _logits(model, ids)
+            finally:
+                for n, fn in originals.items():
+                    setattr(module, n, fn)
+            if not calls:
+                continue  # this config's layers never call the function (no rotary attention)
+            with rome.hf.patch_model(model, warn=False) as handle:
+                if module.__name__ not in handle.patched:
+                    failures.append(f"{model_type}: not patched ({handle.skipped})")
+                    continue
+                with torch.profiler.profile() as prof:
+                    out32 = _logits(model, ids)
+                out16 = _logits(model.to(torch.bfloat16), ids)
+            ref16 = _logits(model, ids)
+
+            def exactly_rounded(fn):
+                def rounded(*args, **kwargs):
+                    wide = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                            for a in args]
+                    like = fn(*args, **kwargs)
+                    out = tuple(None if r is None else e.to(r.dtype) for e, r in zip(
+                        _as_tuple(fn(*wide, **kwargs)), _as_tuple(like)))
+                    return out if isinstance(like, tuple) else out[0]
+                return rounded
+
+            for n, fn in originals.items():
+                setattr(module, n, exactly_rounded(fn))
+            try:
+                exact16 = _logits(model, ids)
+            finally:
+                for n, fn in originals.items():
+                    setattr(module, n, fn)
+            if not any(e.name == "rome::rope" for e in prof.events()):
+                failures.append(f"{model_type}: rome::rope did not run")
+                continue
+            scale = ref32.abs().max().item()
+            err32 = (out32 - ref32).abs().max().item()
+            if err32 > 1e-4 * scale + 1e-5:
+                failures.append(f"{model_type}: fp32 logits differ by {err32:.3g}")
+            # bf16: RoME rounds once where transformers rounds each product, and in MoE models
+            # one ulp can flip a token's experts. So the reference is either transformers' bf16
+            # model or the same model with RoPE exactly rounded, whichever is nearer; allowed:
+            # transformers' own bf16 error (against fp32) twice over.
+            err16 = min((out16 - ref16).abs().max().item(), (out16 - exact16).abs().max().item())
+            noise16 = (ref16 - ref32).abs().max().item()
+            if err16 > 2 * noise16 + 1e-3 * scale:
+                failures.append(f"{model_type}: bf16 logits differ by {err16:.3g} "
+                                f"(transformers' bf16 error {noise16:.3g})")
+            ran.append(model_type)
+    print(f"{len(ran)} families ran through RoME: {ran}", file=sys.stderr)
+    print(f"not built here ({len(not_built)}): {not_built}", file=sys.stderr)
+    assert not failures, "\n".join(failures)
+    assert len(ran) >= 80, ran
