@@ -1,6 +1,7 @@
 // rome._C: the Python module of the extension. The operators register themselves with the
-// dispatcher (ops.cpp) when this library loads; this file adds the non-op utilities: CPU/ISA
-// information and control, dense rotation matrices, and the table builders of rome/tables.hpp.
+// dispatcher (schemas.cpp, cpu.cpp, meta.cpp, autograd.cpp) when this library loads; this file adds
+// the non-op utilities: CPU/ISA information and control, dense rotation matrices, and the table
+// builders of rome/tables.hpp.
 #include <torch/extension.h>
 
 #include <cstring>

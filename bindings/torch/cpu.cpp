@@ -1,0 +1,617 @@
+// CPU kernels of the rome:: operators: thin calls into the core.
+#include "dispatch.hpp"
+
+namespace rome_torch {
+
+namespace {
+
+struct Prepared {
+  std::optional<rome::Rotation> rotation;
+  PreparedTables tables;
+};
+
+Prepared prepare(const Tensor& q, const Tensor& cos, const Tensor& sin, const OptTensor& positions,
+                 c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                 c10::string_view table_width, c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                 const OptTensor& mat_b, const char* q_name = "q") {
+  Prepared p;
+  const int64_t hd = head_dim_of(q, q_name);
+  p.rotation =
+      build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, mat_a, mat_b, "mat_b");
+  p.tables =
+      prepare_tables(cos, sin, positions, std::string(table_width), to_vec(column_axis), q.sizes());
+  return p;
+}
+
+// rope_forward of q (and k) into fresh outputs: (q_out, k_out), k_out empty without k.
+std::tuple<Tensor, Tensor> forward_out_of_place(const rome::Rotation& rotation,
+                                                const rome::Tables& tables, const Tensor& q,
+                                                const OptTensor& k) {
+  const Tensor qin = readable(q);
+  rome::Operand oq{const_view(qin, "q", false), {}};
+  const Tensor qout = alloc_like(q);
+  oq.out = mutable_view(qout, "q_out");
+  Tensor kin, kout;
+  rome::Operand ok;
+  if (has(k)) {
+    head_dim_of(*k, "k");
+    kin = readable(*k);
+    kout = alloc_like(*k);
+    ok = {const_view(kin, "k", false), mutable_view(kout, "k_out")};
+  }
+  rome::rope_forward(rotation, tables, oq, has(k) ? &ok : nullptr, exec_options());
+  return std::make_tuple(qout, has(k) ? kout : empty_marker(q));
+}
+
+// rope_forward of q (and k) in place.
+void forward_in_place(const rome::Rotation& rotation, const rome::Tables& tables, const Tensor& q,
+                      const OptTensor& k) {
+  const rome::TensorView qv = mutable_view(q, "q");
+  const rome::Operand oq{rome::as_const(qv), qv};
+  rome::Operand ok;
+  if (has(k)) {
+    head_dim_of(*k, "k");
+    const rome::TensorView kv = mutable_view(*k, "k");
+    ok = {rome::as_const(kv), kv};
+  }
+  rome::rope_forward(rotation, tables, oq, has(k) ? &ok : nullptr, exec_options());
+}
+
+std::tuple<Tensor, Tensor> rope_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                                    const Tensor& sin, const OptTensor& positions,
+                                    c10::string_view rotation, c10::IntArrayRef blocks,
+                                    int64_t rotary_dim, c10::string_view table_width,
+                                    c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                                    const OptTensor& mat_b) {
+  return guarded({{"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
+    const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                               column_axis, mat_a, mat_b);
+    return forward_out_of_place(*p.rotation, p.tables.tables, q, k);
+  });
+}
+
+void rope_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                      const OptTensor& positions, c10::string_view rotation,
+                      c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+                      c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                      const OptTensor& mat_b) {
+  guarded({{"q_out", "q"}, {"k_out", "k"}, {"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
+    const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                               column_axis, mat_a, mat_b);
+    forward_in_place(*p.rotation, p.tables.tables, q, k);
+  });
+}
+
+// Out of place into the caller's tensors: engines keep their buffers, no allocation per call.
+void rope_out_cpu(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                  const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
+                  c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                  c10::string_view table_width, c10::IntArrayRef column_axis,
+                  const OptTensor& mat_a, const OptTensor& mat_b) {
+  guarded({{"dim", "rotary_dim"}, {"head_dim", "q"}}, [&] {
+    const Prepared p = prepare(q, cos, sin, positions, rotation, blocks, rotary_dim, table_width,
+                               column_axis, mat_a, mat_b);
+    if (has(k) != has(k_out))
+      rome::fail(rome::Status::invalid_argument, "k_out",
+                 has(k) ? "a tensor (k is given)" : "None (k is None)",
+                 has(k_out) ? shape_of(*k_out) : std::string("None"));
+    auto require_like = [](const Tensor& out, const Tensor& in, const char* name) {
+      if (out.scalar_type() != in.scalar_type())
+        rome::fail(rome::Status::invalid_argument, name,
+                   std::string("dtype ") + c10::toString(in.scalar_type()) + " (the input's)",
+                   c10::toString(out.scalar_type()));
+    };
+    require_like(q_out, q, "q_out");
+    const Tensor qin = readable(q);
+    rome::Operand oq{const_view(qin, "q", false), mutable_view(q_out, "q_out")};
+    Tensor kin;
+    rome::Operand ok;
+    if (has(k)) {
+      head_dim_of(*k, "k");
+      require_like(*k_out, *k, "k_out");
+      kin = readable(*k);
+      ok = {const_view(kin, "k", false), mutable_view(*k_out, "k_out")};
+    }
+    rome::rope_forward(*p.rotation, p.tables.tables, oq, has(k) ? &ok : nullptr, exec_options());
+  });
+}
+
+Prepared prepare_matrix(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
+  Prepared p;
+  const int64_t hd = head_dim_of(x, "x");
+  p.rotation = build_rotation("dense", {}, -1, hd, std::nullopt, mat, "mat");
+  p.tables = prepare_tables(cos, sin, std::nullopt, "full", {}, x.sizes());
+  return p;
+}
+
+Tensor rope_matrix_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
+  return guarded({{"q", "x"}, {"dim", "x"}, {"head_dim", "x"}}, [&] {
+    const Prepared p = prepare_matrix(x, mat, sin, cos);
+    const Tensor xin = readable(x);
+    rome::Operand op{const_view(xin, "x", false), {}};
+    const Tensor out = alloc_like(x);
+    op.out = mutable_view(out, "out");
+    rome::rope_forward(*p.rotation, p.tables.tables, op, nullptr, exec_options());
+    return out;
+  });
+}
+
+void rope_matrix_inplace_cpu(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                             const Tensor& cos) {
+  guarded({{"q", "x"}, {"q_out", "x"}, {"dim", "x"}, {"head_dim", "x"}}, [&] {
+    const Prepared p = prepare_matrix(x, mat, sin, cos);
+    const rome::TensorView v = mutable_view(x, "x");
+    rome::rope_forward(*p.rotation, p.tables.tables, rome::Operand{rome::as_const(v), v}, nullptr,
+                       exec_options());
+  });
+}
+
+// vLLM: query/key [T, H*D], [T, H, D] or [B, S, H*D]; the token axes are positions' axes.
+rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes,
+                           int64_t head_size) {
+  rome::TensorView v = mutable_view(t, name);
+  const int64_t extra = t.dim() - token_axes;
+  const std::string expected = "[T, H*" + std::to_string(head_size) + "], [T, H, " +
+                               std::to_string(head_size) + "] or [B, S, H*" +
+                               std::to_string(head_size) + "] matching positions' axes";
+  if (extra == 2) {
+    if (t.size(-1) != head_size)
+      rome::fail(rome::Status::invalid_argument, name, expected, shape_of(t));
+    return v;
+  }
+  if (extra != 1 || token_axes + 2 > rome::kMaxRank)
+    rome::fail(rome::Status::invalid_argument, name, expected, shape_of(t));
+  const int64_t last = t.size(-1);
+  if (last % head_size != 0)
+    rome::fail(rome::Status::invalid_argument, name,
+               "a last axis that is a multiple of head_size " + std::to_string(head_size),
+               shape_of(t));
+  const int64_t lane = t.stride(-1);
+  v.rank = static_cast<int>(t.dim() + 1);
+  v.shape[v.rank - 2] = last / head_size;
+  v.strides[v.rank - 2] = head_size * lane;
+  v.shape[v.rank - 1] = head_size;
+  v.strides[v.rank - 1] = lane;
+  return v;
+}
+
+// vLLM's cos_sin_cache [max_position, rotary_dim] as half-width cos and sin views (no narrow():
+// two tensor allocations per decode step) + positions [T] / [B, S] as [T, 1] / [B, S, 1] (one
+// position for every head). rotary_dim must be even and at most max_rotary.
+rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
+                         int64_t max_rotary, const std::string& max_rotary_what) {
+  if (positions.dim() < 1 || positions.dim() > 2)
+    rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]", shape_of(positions));
+  if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0 ||
+      cos_sin_cache.size(1) > max_rotary)
+    rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
+               "[max_position, rotary_dim] with an even rotary_dim of at most " +
+                   std::to_string(max_rotary) + " (" + max_rotary_what + ")",
+               shape_of(cos_sin_cache));
+  const int64_t rd = cos_sin_cache.size(1), token_axes = positions.dim();
+  rome::Tables tables;
+  tables.positions = const_view(positions, "positions", true);
+  tables.positions.rank = static_cast<int>(token_axes + 1);
+  tables.positions.shape[token_axes] = 1;
+  tables.positions.strides[token_axes] = 0;
+  tables.cos = const_view(cos_sin_cache, "cos_sin_cache", false);
+  tables.cos.shape[1] = rd / 2;
+  tables.sin = tables.cos;
+  tables.sin.data = static_cast<const char*>(tables.cos.data) +
+                    (rd / 2) * cos_sin_cache.stride(1) * cos_sin_cache.element_size();
+  tables.width = is_neox ? rome::TableWidth::halves : rome::TableWidth::pairs;
+  return tables;
+}
+
+rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox, int64_t offset = 0) {
+  return build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
+                        std::nullopt, "mat_b", offset);
+}
+
+void rotary_embedding_cpu(const Tensor& positions, const Tensor& query, const OptTensor& key,
+                          int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
+                          int64_t rope_dim_offset, bool inverse) {
+  guarded({{"q", "query"},
+           {"q_out", "query"},
+           {"k", "key"},
+           {"k_out", "key"},
+           {"cos", "cos_sin_cache"},
+           {"sin", "cos_sin_cache"},
+           {"head_dim", "head_size"}},
+          [&] {
+            if (head_size <= 0)
+              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+                         std::to_string(head_size));
+            if (rope_dim_offset < 0 || rope_dim_offset > head_size)
+              rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
+                         "an offset in [0, head_size " + std::to_string(head_size) + "]",
+                         std::to_string(rope_dim_offset));
+            rome::Tables tables =
+                vllm_tables(positions, cos_sin_cache, is_neox, head_size - rope_dim_offset,
+                            "head_size - rope_dim_offset");
+            tables.inverse = inverse;
+            const rome::Rotation rotation =
+                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox, rope_dim_offset);
+            const int64_t token_axes = positions.dim();
+            const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
+            const rome::Operand oq{rome::as_const(qv), qv};
+            rome::Operand ok;
+            if (has(key)) {
+              const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
+              ok = {rome::as_const(kv), kv};
+            }
+            rome::rope_forward(rotation, tables, oq, has(key) ? &ok : nullptr, exec_options());
+          });
+}
+
+void fused_qk_norm_rope_cpu(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+                            int64_t num_heads_v, int64_t head_dim, double eps,
+                            const Tensor& q_weight, const Tensor& k_weight,
+                            const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
+                            bool gemma_norm) {
+  guarded(
+      {{"q", "qkv"},
+       {"k", "qkv"},
+       {"q_out", "qkv"},
+       {"k_out", "qkv"},
+       {"cos", "cos_sin_cache"},
+       {"sin", "cos_sin_cache"},
+       {"positions", "position_ids"},
+       {"head_dim", "head_dim"}},
+      [&] {
+        if (head_dim <= 0 || num_heads_q <= 0 || num_heads_k <= 0 || num_heads_v < 0)
+          rome::fail(rome::Status::invalid_argument, "head_dim / num_heads",
+                     "positive head_dim, num_heads_q, num_heads_k and num_heads_v >= 0",
+                     std::to_string(head_dim) + ", " + std::to_string(num_heads_q) + ", " +
+                         std::to_string(num_heads_k) + ", " + std::to_string(num_heads_v));
+        const int64_t width = (num_heads_q + num_heads_k + num_heads_v) * head_dim;
+        if (qkv.dim() != 2 || qkv.size(1) != width)
+          rome::fail(rome::Status::invalid_argument, "qkv",
+                     "[T, (Hq + Hk + Hv) * head_dim] = [T, " + std::to_string(width) + "]",
+                     shape_of(qkv));
+        if (position_ids.dim() != 1)
+          rome::fail(rome::Status::invalid_argument, "position_ids", "[T]", shape_of(position_ids));
+        const rome::Tables tables =
+            vllm_tables(position_ids, cos_sin_cache, is_neox, head_dim, "head_dim");
+        const rome::Rotation rotation = vllm_rotation(cos_sin_cache.size(1), head_dim, is_neox);
+        const rome::TensorView whole = mutable_view(qkv, "qkv");
+        auto heads = [&](int64_t first, int64_t count) {
+          rome::TensorView v = whole;
+          v.data =
+              static_cast<char*>(v.data) + first * head_dim * whole.strides[1] * qkv.element_size();
+          v.rank = 3;
+          v.shape[1] = count;
+          v.strides[1] = head_dim * whole.strides[1];
+          v.shape[2] = head_dim;
+          v.strides[2] = whole.strides[1];
+          return v;
+        };
+        rome::QkNorm norm;
+        norm.q_weight = const_view(q_weight, "q_weight", false);
+        norm.k_weight = const_view(k_weight, "k_weight", false);
+        norm.eps = float(eps);
+        norm.unit_offset = gemma_norm;
+        rome::qk_norm_rope(rotation, tables, norm, heads(0, num_heads_q),
+                           heads(num_heads_q, num_heads_k), exec_options());
+      });
+}
+
+void rotary_embedding_with_cache_cpu(const Tensor& positions, const Tensor& query,
+                                     const Tensor& key, const Tensor& value, int64_t head_size,
+                                     const Tensor& cos_sin_cache, bool is_neox,
+                                     const Tensor& key_cache, const Tensor& value_cache,
+                                     const Tensor& slot_mapping, const OptTensor& q_weight,
+                                     const OptTensor& k_weight, double eps, bool gemma_norm) {
+  guarded({{"q", "query"},
+           {"q_out", "query"},
+           {"k", "key"},
+           {"k_out", "key"},
+           {"cos", "cos_sin_cache"},
+           {"sin", "cos_sin_cache"},
+           {"head_dim", "head_size"}},
+          [&] {
+            if (head_size <= 0)
+              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+                         std::to_string(head_size));
+            if (positions.dim() != 1)
+              rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
+            const rome::Tables tables =
+                vllm_tables(positions, cos_sin_cache, is_neox, head_size, "head_size");
+            const rome::Rotation rotation =
+                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox);
+            const rome::TensorView q = vllm_view(query, "query", 1, head_size);
+            const rome::TensorView k = vllm_view(key, "key", 1, head_size);
+            const rome::TensorView v = vllm_view(value, "value", 1, head_size);
+            if (has(q_weight) != has(k_weight))
+              rome::fail(rome::Status::invalid_argument, has(q_weight) ? "k_weight" : "q_weight",
+                         "a tensor when the other weight is given (QK-norm)", "None");
+            rome::PagedKvWrite write;
+            write.value = rome::as_const(v);
+            write.key_cache = mutable_view(key_cache, "key_cache");
+            write.value_cache = mutable_view(value_cache, "value_cache");
+            write.slot_mapping = const_view(slot_mapping, "slot_mapping", true);
+            rome::QkNorm norm;
+            if (has(q_weight)) {
+              norm.q_weight = const_view(*q_weight, "q_weight", false);
+              norm.k_weight = const_view(*k_weight, "k_weight", false);
+              norm.eps = float(eps);
+              norm.unit_offset = gemma_norm;
+            }
+            rome::rope_and_cache_kv(rotation, tables, q, k, write, has(q_weight) ? &norm : nullptr,
+                                    exec_options());
+          });
+}
+
+void rerotate_paged_cpu(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
+                        const Tensor& block_table, const Tensor& seq_lens,
+                        c10::string_view rotation, int64_t rope_dim_offset) {
+  guarded({{"cache", "key_cache"}, {"q", "key_cache"}, {"head_dim", "key_cache"}}, [&] {
+    if (key_cache.dim() != 4)
+      rome::fail(rome::Status::invalid_argument, "key_cache",
+                 "rank 4 [num_blocks, block_size, heads, head_dim]", shape_of(key_cache));
+    if (cos.dim() != 2 || cos.size(1) == 0)
+      rome::fail(rome::Status::invalid_argument, "cos", "[num_seqs, rotary_dim/2]", shape_of(cos));
+    const std::string kind(rotation);
+    if (kind != "half" && kind != "interleave")
+      rome::fail(rome::Status::invalid_argument, "rotation", "'half' or 'interleave'",
+                 "'" + kind + "'");
+    const int64_t hd = key_cache.size(-1), rd = 2 * cos.size(1);
+    if (rope_dim_offset < 0 || rd + rope_dim_offset > hd)
+      rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
+                 "an offset in [0, head_dim - rotary_dim] = [0, " + std::to_string(hd - rd) + "]",
+                 std::to_string(rope_dim_offset));
+    const rome::Rotation r =
+        build_rotation(kind, {}, rd, hd, std::nullopt, std::nullopt, "mat_b", rope_dim_offset);
+    rome::Tables tables;
+    tables.cos = const_view(cos, "cos", false);
+    tables.sin = const_view(sin, "sin", false);
+    tables.width = kind == "half" ? rome::TableWidth::halves : rome::TableWidth::pairs;
+    rome::PagedKeys keys;
+    keys.cache = mutable_view(key_cache, "key_cache");
+    keys.block_table = const_view(block_table, "block_table", true);
+    keys.seq_lens = const_view(seq_lens, "seq_lens", true);
+    rome::rerotate_paged(r, tables, keys, exec_options());
+  });
+}
+
+// ExecuTorch: x [B, N, C], freqs_cis with N*C elements (see interleaved_tables).
+void check_interleaved(const Tensor& x, const Tensor& freqs) {
+  if (x.dim() != 3)
+    rome::fail(rome::Status::invalid_argument, "x", "[B, N, C] (rank 3)",
+               "rank " + std::to_string(x.dim()) + " " + shape_of(x));
+  if (x.size(2) % 2 != 0)
+    rome::fail(rome::Status::invalid_argument, "x", "an even last axis C", shape_of(x));
+  if (freqs.numel() != x.size(1) * x.size(2))
+    rome::fail(rome::Status::invalid_argument, "freqs_cis",
+               std::to_string(x.size(1) * x.size(2)) + " elements (N*C: [N, C/2, 2] cos/sin pairs)",
+               shape_of(freqs));
+}
+
+Tensor interleaved_cpu(const Tensor& x, const Tensor& freqs_cis) {
+  return guarded({{"q", "x"}, {"cos", "freqs_cis"}, {"sin", "freqs_cis"}, {"dim", "x"}}, [&] {
+    check_interleaved(x, freqs_cis);
+    const rome::Rotation rotation =
+        build_rotation("interleave", {}, -1, x.size(2), std::nullopt, std::nullopt, "mat_b");
+    const auto [cos, sin] = interleaved_tables(freqs_cis, x.size(1), x.size(2));
+    rome::Tables tables;
+    tables.cos = const_view(cos, "freqs_cis", false);
+    tables.sin = const_view(sin, "freqs_cis", false);
+    tables.width = rome::TableWidth::pairs;
+    const Tensor xin = readable(x);
+    rome::Operand op{const_view(xin, "x", false), {}};
+    const Tensor out = alloc_like(x);
+    op.out = mutable_view(out, "out");
+    rome::rope_forward(rotation, tables, op, nullptr, exec_options());
+    return out;
+  });
+}
+
+// Table-free RoPE: cos/sin from positions × inv_freq inside the kernel's token tiles.
+
+constexpr Renames kFromPositionsNames = {{"tables.frequencies", "inv_freq"},
+                                         {"tables.amplitude", "amplitude"},
+                                         {"tables.column_axis", "column_axis"},
+                                         {"dim", "rotary_dim"},
+                                         {"head_dim", "q"}};
+
+struct FromPositions {
+  std::optional<rome::Rotation> rotation;
+  PreparedTables tables;
+};
+
+FromPositions prepare_from_positions(const Tensor& q, const Tensor& positions,
+                                     const Tensor& inv_freq, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                     c10::IntArrayRef column_axis, bool inverse,
+                                     const char* q_name = "q") {
+  FromPositions p;
+  const int64_t hd = head_dim_of(q, q_name);
+  p.rotation = build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, std::nullopt,
+                              std::nullopt, "mat_b");
+  p.tables =
+      table_free_tables(positions, inv_freq, amplitude, to_vec(column_axis), q.sizes(), inverse);
+  return p;
+}
+
+std::tuple<Tensor, Tensor> rope_from_positions_cpu(const Tensor& q, const OptTensor& k,
+                                                   const Tensor& positions, const Tensor& inv_freq,
+                                                   c10::string_view rotation,
+                                                   c10::IntArrayRef blocks, int64_t rotary_dim,
+                                                   double amplitude, c10::IntArrayRef column_axis,
+                                                   bool inverse) {
+  return guarded(kFromPositionsNames, [&] {
+    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
+                                                   rotary_dim, amplitude, column_axis, inverse);
+    return forward_out_of_place(*p.rotation, p.tables.tables, q, k);
+  });
+}
+
+void rope_from_positions_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& positions,
+                                     const Tensor& inv_freq, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                     c10::IntArrayRef column_axis, bool inverse) {
+  guarded(kFromPositionsNames, [&] {
+    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
+                                                   rotary_dim, amplitude, column_axis, inverse);
+    forward_in_place(*p.rotation, p.tables.tables, q, k);
+  });
+}
+
+// dq, dk: the transposed rotation of the gradients (rotation by −θ for every standard RoPE).
+std::tuple<Tensor, Tensor> rope_from_positions_backward_cpu(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& positions, const Tensor& inv_freq,
+    c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+    c10::IntArrayRef column_axis, bool inverse) {
+  return guarded(kFromPositionsNames, [&] {
+    const FromPositions p =
+        prepare_from_positions(grad_q, positions, inv_freq, rotation, blocks, rotary_dim, amplitude,
+                               column_axis, inverse, "grad");
+    auto run = [&](const Tensor& g) {
+      const Tensor gin = readable(g);
+      const Tensor dx = alloc_like(g);
+      rome::Gradients out;
+      out.dx = mutable_view(dx, "dx");
+      const rome::ConstTensorView gv = const_view(gin, "grad", false);
+      rome::rope_backward(*p.rotation, p.tables.tables, gv, gv, out, exec_options());
+      return dx;
+    };
+    const Tensor dq = run(grad_q);
+    return std::make_tuple(dq, has(grad_k) ? run(*grad_k) : empty_marker(grad_q));
+  });
+}
+
+// The exact table builder: [*positions.shape, 2·n] fp32 cos and sin (half or pairs layout).
+std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& inv_freq,
+                                       c10::string_view layout, double amplitude,
+                                       std::optional<at::ScalarType> dtype) {
+  return guarded({{"frequencies", "inv_freq"}}, [&] {
+    if (layout != "half" && layout != "pairs")
+      rome::fail(rome::Status::invalid_argument, "layout", "'half' or 'pairs'",
+                 "'" + std::string(layout) + "'");
+    if (positions.scalar_type() != at::kInt && positions.scalar_type() != at::kLong)
+      rome::fail(rome::Status::invalid_argument, "positions.dtype", "int32 or int64",
+                 c10::toString(positions.scalar_type()));
+    const_view(positions, "positions", true);  // device and dtype checks
+    const std::vector<double> frequencies = frequencies_of(inv_freq, positions);
+    const Tensor pos = positions.to(at::kLong).contiguous();
+    const int64_t n = int64_t(frequencies.size()), rows = pos.numel();
+    std::vector<int64_t> shape = to_vec(positions.sizes());
+    shape.push_back(2 * n);
+    Tensor cos = at::empty(shape, positions.options().dtype(at::kFloat));
+    Tensor sin = at::empty(shape, positions.options().dtype(at::kFloat));
+    const int64_t* p = pos.data_ptr<int64_t>();
+    const std::span<const double> f(frequencies);
+    // Validate everything once on this thread, then fill the rows in parallel.
+    rome::exact_cos_sin_rows({p, size_t(rows)}, f, amplitude, layout == "pairs", nullptr, nullptr);
+    float* c = cos.data_ptr<float>();
+    float* s = sin.data_ptr<float>();
+    const bool pairs = layout == "pairs";
+    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
+      rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs,
+                               c + begin * 2 * n, s + begin * 2 * n);
+    });
+    if (dtype.has_value() && *dtype != at::kFloat)
+      return std::make_tuple(cos.to(*dtype), sin.to(*dtype));
+    return std::make_tuple(cos, sin);
+  });
+}
+
+// Gradients of the general op for q (and k), summed over both for the shared tables/matrices.
+// Outputs not asked for by output_mask are empty [0] tensors.
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_cpu(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
+    const Tensor& cos, const Tensor& sin, const OptTensor& positions, c10::string_view rotation,
+    c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+    c10::IntArrayRef column_axis, const OptTensor& mat_a, const OptTensor& mat_b,
+    std::array<bool, 6> mask) {
+  return guarded([&] {
+    const Prepared p = prepare(grad_q, cos, sin, positions, rotation, blocks, rotary_dim,
+                               table_width, column_axis, mat_a, mat_b, "grad");
+    const int64_t rd = p.rotation->rotary_dim();
+    const auto f32 = q.options().dtype(at::kFloat);
+    const bool want_tables = mask[2] || mask[3];
+    const bool want_mats = mask[4] || mask[5];
+    Tensor dq = mask[0] ? alloc_like(grad_q) : empty_marker(q);
+    Tensor dk = mask[1] && has(k) ? alloc_like(*grad_k) : empty_marker(q);
+    // fp32 accumulators in the shape the core sees (effective tables), reduced afterwards.
+    Tensor dcos, dsin, da, db;
+    if (mask[2]) dcos = at::zeros(p.tables.cos.sizes(), f32);
+    if (mask[3]) dsin = at::zeros(p.tables.sin.sizes(), f32);
+    if (mask[4]) da = at::zeros({rd, rd}, f32);
+    if (mask[5]) db = at::zeros({rd, rd}, f32);
+
+    auto run = [&](const Tensor& g, const Tensor& x, const Tensor& dx, bool accumulate) {
+      const Tensor gin = readable(g), xin = readable(x);
+      rome::Gradients out;
+      if (dx.defined() && dx.numel() > 0) out.dx = mutable_view(dx, "dx");
+      Tensor c, s, a, b;
+      if (want_tables || want_mats) {
+        if (dcos.defined()) c = accumulate ? at::zeros_like(dcos) : dcos;
+        if (dsin.defined()) s = accumulate ? at::zeros_like(dsin) : dsin;
+        if (da.defined()) a = accumulate ? at::zeros_like(da) : da;
+        if (db.defined()) b = accumulate ? at::zeros_like(db) : db;
+        if (c.defined()) out.dcos = mutable_view(c, "dcos");
+        if (s.defined()) out.dsin = mutable_view(s, "dsin");
+        if (a.defined()) out.da = a.data_ptr<float>();
+        if (b.defined()) out.db = b.data_ptr<float>();
+      }
+      if (!out.dx.data && !out.dcos.data && !out.dsin.data && !out.da && !out.db) return;
+      rome::rope_backward(*p.rotation, p.tables.tables, const_view(gin, "grad", false),
+                          const_view(xin, "x", false), out, exec_options());
+      if (accumulate) {
+        if (c.defined()) dcos.add_(c);
+        if (s.defined()) dsin.add_(s);
+        if (a.defined()) da.add_(a);
+        if (b.defined()) db.add_(b);
+      }
+    };
+    const bool need_q_pass = mask[0] || want_tables || want_mats;
+    if (need_q_pass)
+      run(grad_q, want_tables || want_mats ? q : grad_q, mask[0] ? dq : Tensor(), false);
+    if (has(k) && has(grad_k) && (mask[1] || want_tables || want_mats)) {
+      // Tables/matrices: a second pass whose gradients are added to the first one's.
+      const bool with_x = want_tables || want_mats;
+      run(*grad_k, with_x ? *k : *grad_k, mask[1] ? dk : Tensor(), with_x);
+    }
+
+    // Back to the caller's shapes and dtypes.
+    auto to_table = [&](Tensor d, const Tensor& like) {
+      if (d.sizes() != like.sizes()) {
+        if (d.dim() < like.dim()) {
+          std::vector<int64_t> shape(like.dim() - d.dim(), 1);
+          for (int64_t s : d.sizes()) shape.push_back(s);
+          d = d.view(shape);
+        }
+        d = at::sum_to(d, like.sizes());
+      }
+      return d.to(like.scalar_type()).contiguous();
+    };
+    Tensor rcos = mask[2] ? to_table(dcos, cos) : empty_marker(q);
+    Tensor rsin = mask[3] ? to_table(dsin, sin) : empty_marker(q);
+    Tensor rda = mask[4] && has(mat_a) ? da.to(mat_a->scalar_type()) : empty_marker(q);
+    Tensor rdb = mask[5] && has(mat_b) ? db.to(mat_b->scalar_type()) : empty_marker(q);
+    return std::make_tuple(dq, dk, rcos, rsin, rda, rdb);
+  });
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rome, CPU, m) {
+  m.impl("rope_matrix", rope_matrix_cpu);
+  m.impl("rope_matrix_", rope_matrix_inplace_cpu);
+  m.impl("rope", rope_cpu);
+  m.impl("rope_", rope_inplace_cpu);
+  m.impl("rope_out", rope_out_cpu);
+  m.impl("rotary_embedding", rotary_embedding_cpu);
+  m.impl("rerotate_paged_", rerotate_paged_cpu);
+  m.impl("fused_qk_norm_rope", fused_qk_norm_rope_cpu);
+  m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_cpu);
+  m.impl("apply_rotary_emb_interleaved", interleaved_cpu);
+  m.impl("_rope_backward", rope_backward_cpu);
+  m.impl("rope_from_positions", rope_from_positions_cpu);
+  m.impl("cos_sin", cos_sin_cpu);
+  m.impl("rope_from_positions_", rope_from_positions_inplace_cpu);
+  m.impl("_rope_from_positions_backward", rope_from_positions_backward_cpu);
+}
+
+}  // namespace rome_torch

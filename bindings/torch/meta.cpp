@@ -1,0 +1,196 @@
+// Meta kernels of the rome:: operators: fresh outputs with the CPU kernels' shapes, dtypes and
+// strides.
+#include "dispatch.hpp"
+
+namespace rome_torch {
+
+namespace {
+
+// The dispatcher picks Meta when ANY tensor argument is on meta: CPU q with a meta table lands
+// here too. Computing nothing and returning an uninitialised CPU tensor (or leaving q untouched
+// in place) would be a silent wrong answer, so every argument must be on meta.
+using NamedTensors = std::initializer_list<std::pair<const char*, const Tensor*>>;
+
+void require_all_meta(NamedTensors tensors) {
+  guarded([&] {
+    const std::pair<const char*, const Tensor*>* other = nullptr;  // a tensor not on meta
+    for (const auto& t : tensors)
+      if (t.second && t.second->defined() && !t.second->is_meta()) other = &t;
+    if (!other) return;
+    for (const auto& t : tensors)
+      if (t.second && t.second->defined() && t.second->is_meta())
+        rome::fail(rome::Status::invalid_argument, std::string(t.first) + ".device",
+                   other->second->device().str() + " (the device of " + other->first +
+                       "; every tensor on one device)",
+                   "meta");
+  });
+}
+
+const Tensor* opt(const OptTensor& t) {
+  return t.has_value() ? &*t : nullptr;
+}
+
+void require_rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const OptTensor& positions, const OptTensor& mat_a, const OptTensor& mat_b) {
+  require_all_meta({{"q", &q},
+                    {"k", opt(k)},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"positions", opt(positions)},
+                    {"mat_a", opt(mat_a)},
+                    {"mat_b", opt(mat_b)}});
+}
+
+std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos,
+                                     const Tensor& sin, const OptTensor& positions,
+                                     c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
+                                     c10::IntArrayRef, const OptTensor& mat_a,
+                                     const OptTensor& mat_b) {
+  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
+}
+
+void rope_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const OptTensor& positions, c10::string_view, c10::IntArrayRef, int64_t,
+                       c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
+                       const OptTensor& mat_b) {
+  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+}
+
+void rope_out_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                   const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
+                   c10::string_view, c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef,
+                   const OptTensor& mat_a, const OptTensor& mat_b) {
+  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  require_all_meta({{"q_out", &q_out}, {"k_out", opt(k_out)}});
+}
+
+std::tuple<Tensor, Tensor> rope_from_positions_meta(const Tensor& q, const OptTensor& k,
+                                                    const Tensor& positions, const Tensor& inv_freq,
+                                                    c10::string_view, c10::IntArrayRef, int64_t,
+                                                    double, c10::IntArrayRef, bool) {
+  require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
+  return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
+}
+
+std::tuple<Tensor, Tensor> cos_sin_meta(const Tensor& positions, const Tensor& inv_freq,
+                                        c10::string_view, double,
+                                        std::optional<at::ScalarType> dtype) {
+  require_all_meta({{"positions", &positions}, {"inv_freq", &inv_freq}});
+  std::vector<c10::SymInt> shape(positions.sym_sizes().begin(), positions.sym_sizes().end());
+  shape.push_back(inv_freq.sym_size(0) * 2);
+  const auto options = positions.options().dtype(dtype.value_or(at::kFloat));
+  return std::make_tuple(at::empty_symint(shape, options), at::empty_symint(shape, options));
+}
+
+void rope_from_positions_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& positions,
+                                      const Tensor& inv_freq, c10::string_view, c10::IntArrayRef,
+                                      int64_t, double, c10::IntArrayRef, bool) {
+  require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
+}
+
+Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
+  require_all_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}});
+  return alloc_like(x);
+}
+
+void rope_matrix_inplace_meta(const Tensor& x, const Tensor& mat, const Tensor& sin,
+                              const Tensor& cos) {
+  require_all_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}});
+}
+
+void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const OptTensor& key,
+                           int64_t, const Tensor& cos_sin_cache, bool, int64_t, bool) {
+  require_all_meta({{"positions", &positions},
+                    {"query", &query},
+                    {"key", opt(key)},
+                    {"cos_sin_cache", &cos_sin_cache}});
+}
+
+void fused_qk_norm_rope_meta(const Tensor& qkv, int64_t, int64_t, int64_t, int64_t, double,
+                             const Tensor& q_weight, const Tensor& k_weight,
+                             const Tensor& cos_sin_cache, bool, const Tensor& position_ids, bool) {
+  require_all_meta({{"qkv", &qkv},
+                    {"q_weight", &q_weight},
+                    {"k_weight", &k_weight},
+                    {"cos_sin_cache", &cos_sin_cache},
+                    {"position_ids", &position_ids}});
+}
+
+void rotary_embedding_with_cache_meta(const Tensor& positions, const Tensor& query,
+                                      const Tensor& key, const Tensor& value, int64_t,
+                                      const Tensor& cos_sin_cache, bool, const Tensor& key_cache,
+                                      const Tensor& value_cache, const Tensor& slot_mapping,
+                                      const OptTensor& q_weight, const OptTensor& k_weight, double,
+                                      bool) {
+  require_all_meta({{"positions", &positions},
+                    {"query", &query},
+                    {"key", &key},
+                    {"value", &value},
+                    {"cos_sin_cache", &cos_sin_cache},
+                    {"key_cache", &key_cache},
+                    {"value_cache", &value_cache},
+                    {"slot_mapping", &slot_mapping},
+                    {"q_weight", opt(q_weight)},
+                    {"k_weight", opt(k_weight)}});
+}
+
+void rerotate_paged_meta(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,
+                         const Tensor& block_table, const Tensor& seq_lens, c10::string_view,
+                         int64_t) {
+  require_all_meta({{"key_cache", &key_cache},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"block_table", &block_table},
+                    {"seq_lens", &seq_lens}});
+}
+
+Tensor interleaved_meta(const Tensor& x, const Tensor& freqs_cis) {
+  require_all_meta({{"x", &x}, {"freqs_cis", &freqs_cis}});
+  return alloc_like(x);
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor, Tensor> rope_backward_meta(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& q, const OptTensor& k,
+    const Tensor& cos, const Tensor& sin, const OptTensor& positions, c10::string_view,
+    c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
+    const OptTensor& mat_b, std::array<bool, 6> mask) {
+  require_all_meta({{"grad_q", &grad_q},
+                    {"grad_k", opt(grad_k)},
+                    {"q", &q},
+                    {"k", opt(k)},
+                    {"cos", &cos},
+                    {"sin", &sin},
+                    {"positions", opt(positions)},
+                    {"mat_a", opt(mat_a)},
+                    {"mat_b", opt(mat_b)}});
+  auto table = [](const Tensor& t) { return at::empty_symint(t.sym_sizes(), t.options()); };
+  return std::make_tuple(mask[0] ? alloc_like(grad_q) : empty_marker(q),
+                         mask[1] && has(k) ? alloc_like(*grad_k) : empty_marker(q),
+                         mask[2] ? table(cos) : empty_marker(q),
+                         mask[3] ? table(sin) : empty_marker(q),
+                         mask[4] && has(mat_a) ? table(*mat_a) : empty_marker(q),
+                         mask[5] && has(mat_b) ? table(*mat_b) : empty_marker(q));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(rome, Meta, m) {
+  m.impl("rope_matrix", rope_matrix_meta);
+  m.impl("rope_matrix_", rope_matrix_inplace_meta);
+  m.impl("rope", rope_meta);
+  m.impl("rope_", rope_inplace_meta);
+  m.impl("rope_out", rope_out_meta);
+  m.impl("rotary_embedding", rotary_embedding_meta);
+  m.impl("rerotate_paged_", rerotate_paged_meta);
+  m.impl("fused_qk_norm_rope", fused_qk_norm_rope_meta);
+  m.impl("rotary_embedding_with_cache", rotary_embedding_with_cache_meta);
+  m.impl("apply_rotary_emb_interleaved", interleaved_meta);
+  m.impl("_rope_backward", rope_backward_meta);
+  m.impl("rope_from_positions", rope_from_positions_meta);
+  m.impl("cos_sin", cos_sin_meta);
+  m.impl("rope_from_positions_", rope_from_positions_inplace_meta);
+  m.impl("_rope_from_positions_backward", rope_from_positions_meta);
+}
+
+}  // namespace rome_torch
