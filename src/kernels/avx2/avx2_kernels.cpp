@@ -9,6 +9,8 @@
 //             read before either is written (in place safe), no permute;
 //  - single / move: every output vector permutes (or is) one input vector, read straight from x
 //             (out of place);
+//  - deinterleave: interleave_half (DeepSeek MLA): output vectors u and V/2 + u are the even and
+//             the odd lanes of input vectors 2u and 2u + 1 (two shuffles, two lane permutes);
 //  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
 //             widened into an fp32 buffer (block diagonals such as 44+44+40);
 //  - general (and single / move in place): the row is widened into an fp32 buffer first and
@@ -45,7 +47,17 @@ using namespace avx2;
 // ---------------------------------------------------------------------------------------------
 // Per-call state
 
-enum class Kind { pairs, local, half_move, quarter_move, single, move, shifted, general };
+enum class Kind {
+  pairs,
+  local,
+  half_move,
+  quarter_move,
+  single,
+  move,
+  deinterleave,
+  shifted,
+  general
+};
 
 // shifted: output vector v takes its B lanes from at most kMaxShifts unaligned loads of the
 // widened row, X[8v + d .. 8v + d + 8) for a few offsets d, blended by lane (block diagonals
@@ -378,6 +390,48 @@ ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   }
 }
 
+// deinterleave: the even and the odd lanes of x[16u, 16u + 16), each in lane order.
+ROME_INLINE EvenOdd split_even_odd(__m256 a, __m256 b) {
+  const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 a4 a6 b4 b6
+  const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);
+  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), kOrder)),
+          _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder))};
+}
+
+// Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
+// 2u + 1, output vector V/2 + u the other way round. In place the row is widened into X first:
+// output V/2 + u would overwrite an input vector not yet read.
+template <typename L>
+ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
+  const std::int64_t H = w.V / 2;
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    const bool in_place = static_cast<const void*>(row.x) == static_cast<const void*>(row.y);
+    if (in_place)
+      for (std::int64_t v = 0; v < w.V; ++v) _mm256_store_ps(w.X + kW * v, L::load(row.x + kW * v));
+    const bool stream = streaming_row<L>(w, row.y);
+    for (std::int64_t u = 0; u < H; ++u) {
+      const std::int64_t at = 2 * kW * u;
+      const EvenOdd eo =
+          in_place ? split_even_odd(_mm256_load_ps(w.X + at), _mm256_load_ps(w.X + at + kW))
+                   : split_even_odd(L::load(row.x + at), L::load(row.x + at + kW));
+      const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
+      const __m256 ch = _mm256_load_ps(row.C + kW * (H + u));
+      const __m256 sh = _mm256_load_ps(row.S + kW * (H + u));
+      __m256 lo = combine_unguarded(eo.even, cu, eo.odd, su);
+      __m256 hi = combine_unguarded(eo.odd, ch, eo.even, sh);
+      if (__builtin_expect(any_nan(lo, hi), 0)) {  // see rows_xor_move
+        lo = avx2::combine(eo.even, cu, eo.odd, su);
+        hi = avx2::combine(eo.odd, ch, eo.even, sh);
+      }
+      put<L>(w, stream, row.y, u, lo);
+      put<L>(w, stream, row.y, H + u, hi);
+    }
+    pass_through<L>(w, row.x, row.y);
+  }
+}
+
 // Whether bf16 rows of this kind run 16 lanes at a time on even/odd tables.
 bool even_odd_kind(Kind kind, std::int64_t rd, int xor_k) {
   if (kind == Kind::pairs) return rd % 16 == 0;
@@ -398,6 +452,7 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
     case Kind::quarter_move: return rows_xor_move<L>(w, tile);
     case Kind::single: return rows_single<L, false>(w, tile);
     case Kind::move: return rows_single<L, true>(w, tile);
+    case Kind::deinterleave: return rows_deinterleave<L>(w, tile);
     case Kind::shifted: return rows_shifted<L>(w, tile);
     case Kind::general: return rows_general<L>(w, tile);
   }
@@ -412,8 +467,23 @@ ROME_INLINE __m256 blend_mask(std::uint32_t lanes) {
       _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(lanes)), bits), bits));
 }
 
+// interleave_half on whole vectors: A takes lane 2j (j < h) or 2(j - h) + 1, B the other lane of
+// the pair (signs are in the tables).
+bool is_deinterleave(const RotationData& r, const Work& w) {
+  const std::int64_t h = w.rd / 2;
+  if (r.a_identity || w.rd % (2 * kW) != 0) return false;
+  for (std::int64_t j = 0; j < w.rd; ++j) {
+    const std::int32_t even = std::int32_t(2 * (j < h ? j : j - h)), odd = even + 1;
+    if (r.a.sign[j] == 0 || r.b.sign[j] == 0 || r.a.src[j] != (j < h ? even : odd) ||
+        r.b.src[j] != (j < h ? odd : even))
+      return false;
+  }
+  return true;
+}
+
 Kind classify(const RotationData& r, Work& w, __m256i* idx, __m256* mask, std::int32_t* src,
               std::int32_t* src_n) {
+  if (is_deinterleave(r, w)) return Kind::deinterleave;
   if (!r.a_identity) return Kind::general;
   const VectorPermutePlan& pb = r.avx2.b;
   bool local = true, move = true, pairs = true, half = true, quarter = true;
@@ -613,7 +683,8 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
   w.pass = tile.copy_passthrough && w.hd > w.rd;
   w.stream = tile.stream;
   ThreadState& state = t_state;
-  // X: the row widened to fp32 (general and shifted rows, with a vector of padding each side);
+  // X: the row widened to fp32 (general and shifted rows, deinterleave in place; with a vector of
+  // padding each side);
   // the permute data comes from the thread's cache.
   constexpr std::int64_t kStackVectors = 32;
   alignas(64) float stack[kStackVectors * kW];
