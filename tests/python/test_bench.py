@@ -59,7 +59,9 @@ def test_files_written(quick_run, isa):
     assert "RoME varlen (cu_seqlens)" in varlen and "rerotate_ paged" in varlen
     fused = (out / "fused.md").read_text()
     assert "fused_qk_norm_rope" in fused and "rotary_embedding_with_cache" in fused
-    assert "rome.hf.apply_rotary_pos_emb" in (out / "hf_decode.md").read_text()
+    decode = (out / "hf_decode.md").read_text()
+    assert "rome.hf.apply_rotary_pos_emb" in decode and "deepseek_v3" in decode
+    assert "not patched" not in decode and "Error" not in decode, decode
     dense = (out / "dense.md").read_text()
     assert "rope_matrix_ (in place)" in dense and "torch autograd" in dense
     cells = json.loads((out / "dense.json").read_text())["cells"]
