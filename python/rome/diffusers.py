@@ -16,6 +16,12 @@ rounding of the sum differs (at most one ulp of x's dtype; see tests/python/test
   diffusers' own complex math, as do inputs RoME's kernels do not take).
 
 The tables are used as given (per-lane values, no pair symmetry assumed), in their own dtype.
+
+- :class:`WanAttnProcessor` / :func:`patch_wan`: Wan 2.1/2.2's attention processor applies its
+  3D RoPE with a function local to its ``__call__``, out of reach of a name patch. RoME's
+  processor does Wan's self-attention with RoME's interleaved RoPE on q and k in one call, through
+  diffusers' own projection and attention helpers; cross-attention, image-to-video blocks (added
+  k/v projections) and anything else run diffusers' processor.
 """
 
 from typing import Tuple, Union
@@ -24,7 +30,7 @@ import torch
 
 from . import ops
 
-__all__ = ["apply_rotary_emb"]
+__all__ = ["apply_rotary_emb", "WanAttnProcessor", "patch_wan"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -123,3 +129,81 @@ def apply_rotary_emb(
     cos = freqs.real.contiguous()
     sin = freqs.imag.contiguous()
     return ops.rope(x, None, cos, sin, rotation="interleave", table_width="pairs")[0]
+
+
+class WanAttnProcessor:
+    """diffusers' ``WanAttnProcessor`` with the rotary embedding on RoME.
+
+    Wan's tables are ``(freqs_cos, freqs_sin)`` [1, S, 1, D] in its pairs layout
+    (``repeat_interleave_real=True``: lane 2i and 2i + 1 hold angle i), of which Wan reads the
+    even columns of cos and the odd columns of sin; RoME reads the same columns as "pairs"
+    tables, so the math is Wan's (fp32, one rounding to q's dtype).
+    """
+
+    def __init__(self, original):
+        self.original = original
+
+    def __getattr__(self, name):  # _attention_backend, _parallel_config, ... of the original
+        if name == "original":
+            raise AttributeError(name)
+        return getattr(self.original, name)
+
+    def __call__(self, attn, hidden_states, encoder_hidden_states=None, attention_mask=None,
+                 rotary_emb=None):
+        if (rotary_emb is None or encoder_hidden_states is not None
+                or getattr(attn, "add_k_proj", None) is not None
+                or torch.compiler.is_compiling()):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 rotary_emb)
+        from diffusers.models.transformers import transformer_wan as wan
+
+        query, key, value = wan._get_qkv_projections(attn, hidden_states, None)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        freqs_cos, freqs_sin = rotary_emb
+        try:
+            query, key = ops.rope(query, key, freqs_cos[..., 0::2], freqs_sin[..., 1::2],
+                                  rotation="interleave", table_width="pairs")
+        except (ValueError, IndexError, NotImplementedError):
+            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
+                                 rotary_emb)
+        out = wan.dispatch_attention_fn(
+            query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
+            backend=self.original._attention_backend,
+            parallel_config=self.original._parallel_config)
+        out = out.flatten(2, 3).type_as(query)
+        return attn.to_out[1](attn.to_out[0](out))
+
+
+class _WanPatch:
+    def __init__(self, swapped):
+        self.swapped = swapped  # (attention module, original processor)
+
+    @property
+    def active(self) -> bool:
+        return bool(self.swapped)
+
+    def undo(self) -> None:
+        for attn, original in self.swapped:
+            attn.processor = original
+        self.swapped = []
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.undo()
+
+
+def patch_wan(model: torch.nn.Module) -> _WanPatch:
+    """Gives every Wan attention module of `model` (e.g. a ``WanTransformer3DModel``) RoME's
+    processor; ``handle.undo()`` (or leaving ``with patch_wan(model):``) restores diffusers'."""
+    swapped = []
+    for module in model.modules():
+        processor = getattr(module, "processor", None)
+        if type(processor).__name__ == "WanAttnProcessor" and \
+                not isinstance(processor, WanAttnProcessor):
+            swapped.append((module, processor))
+            module.processor = WanAttnProcessor(processor)
+    return _WanPatch(swapped)

@@ -486,6 +486,35 @@ def test_diffusers_complex(dtype):
     assert_correctly_rounded(out, exact, terms)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_diffusers_wan_processor(dtype):
+    """A tiny Wan transformer (3D RoPE 8/8/8 of head dim 24) with RoME's processor: diffusers'
+    output, RoME's op ran once per self-attention, and undo restores diffusers' processors."""
+    diffusers = _need("diffusers")
+    torch.manual_seed(0)
+    model = diffusers.WanTransformer3DModel(
+        patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=4,
+        out_channels=4, text_dim=32, freq_dim=16, ffn_dim=32, num_layers=2, cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads", rope_max_seq_len=64).eval().to(dtype)
+    x = torch.randn(1, 4, 3, 6, 8).to(dtype)  # 3 x 3 x 4 tokens
+    t, text = torch.tensor([500]), torch.randn(1, 7, 32).to(dtype)
+    processors = [m.processor for m in model.modules() if hasattr(m, "processor")]
+    with torch.no_grad():
+        ref = model(x, t, text, return_dict=False)[0]
+        with rome.diffusers.patch_wan(model) as handle:
+            assert len(handle.swapped) == 4  # self- and cross-attention of each block
+            with torch.profiler.profile() as prof:
+                out = model(x, t, text, return_dict=False)[0]
+        again = model(x, t, text, return_dict=False)[0]
+    assert sum(e.name == "rome::rope" for e in prof.events()) == 2
+    assert [m.processor for m in model.modules() if hasattr(m, "processor")] == processors
+    assert torch.equal(again, ref)
+    # Wan's RoPE is fp32 math with one rounding, as RoME's: the blocks see the same q and k up to
+    # fp32 noise (bf16: an ulp where the fp32 sums round differently).
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+
+
 def test_diffusers_signature_errors_and_fallback():
     embeddings = _need("diffusers.models.embeddings")
     ours = inspect.signature(rome.diffusers.apply_rotary_emb).parameters
