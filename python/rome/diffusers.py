@@ -17,6 +17,10 @@ rounding of the sum differs (at most one ulp of x's dtype; see tests/python/test
 
 The tables are used as given (per-lane values, no pair symmetry assumed), in their own dtype.
 
+- :func:`apply_rotary_emb_qwen`: Qwen-Image's ``apply_rotary_emb_qwen`` (complex ``freqs_cis``
+  [S, D/2] unsqueezed at axis 1 against x [B, S, H, D]; its ``use_real`` form is
+  :func:`apply_rotary_emb`'s with ``sequence_dim=2``). Put it in place of the name in
+  ``diffusers.models.transformers.transformer_qwenimage``.
 - :class:`WanAttnProcessor` / :func:`patch_wan`: Wan 2.1/2.2's attention processor applies its
   3D RoPE with a function local to its ``__call__``, out of reach of a name patch. RoME's
   processor does Wan's self-attention with RoME's interleaved RoPE on q and k in one call, through
@@ -30,7 +34,7 @@ import torch
 
 from . import ops
 
-__all__ = ["apply_rotary_emb", "WanAttnProcessor", "patch_wan"]
+__all__ = ["apply_rotary_emb", "apply_rotary_emb_qwen", "WanAttnProcessor", "patch_wan"]
 
 _KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -129,6 +133,37 @@ def apply_rotary_emb(
     cos = freqs.real.contiguous()
     sin = freqs.imag.contiguous()
     return ops.rope(x, None, cos, sin, rotation="interleave", table_width="pairs")[0]
+
+
+def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
+                          use_real_unbind_dim: int = -1) -> torch.Tensor:
+    """Qwen-Image's ``apply_rotary_emb_qwen`` through RoME (same signature, same results).
+
+    With ``use_real=False`` (what Qwen-Image calls): x [B, S, H, D] as (real, imag) pairs times
+    complex64 ``freqs_cis`` [S, D/2] (or [B, S, D/2]) unsqueezed at axis 1, in fp32, rounded once
+    to x's dtype: RoME's interleave rotation with cos = real part, sin = imaginary part as
+    "pairs" tables. Other inputs (complex128, not on the CPU, gradients of freqs_cis) run the same
+    complex math in PyTorch.
+    """
+    if use_real:
+        return apply_rotary_emb(x, freqs_cis, True, use_real_unbind_dim, sequence_dim=2)
+    if (not torch.is_tensor(freqs_cis) or freqs_cis.dtype != torch.complex64
+            or freqs_cis.device.type != "cpu" or x.device.type != "cpu"
+            or x.dtype not in _KERNEL_DTYPES or x.dim() != 4
+            or (torch.is_grad_enabled() and freqs_cis.requires_grad)
+            or torch.compiler.is_compiling()):
+        return _qwen_reference(x, freqs_cis)
+    freqs = freqs_cis.unsqueeze(1)
+    try:
+        return ops.rope(x, None, freqs.real.contiguous(), freqs.imag.contiguous(),
+                        rotation="interleave", table_width="pairs")[0]
+    except (ValueError, IndexError):  # shapes the kernel does not take: PyTorch says why
+        return _qwen_reference(x, freqs_cis)
+
+
+def _qwen_reference(x, freqs_cis):
+    rotated = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(rotated * freqs_cis.unsqueeze(1)).flatten(3).type_as(x)
 
 
 class WanAttnProcessor:

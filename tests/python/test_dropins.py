@@ -515,6 +515,50 @@ def test_diffusers_wan_processor(dtype):
     torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_diffusers_qwen_image(dtype, monkeypatch):
+    """rome.diffusers.apply_rotary_emb_qwen against Qwen-Image's own function (complex
+    frequencies; correctly rounded against float64), then in place of it in a tiny
+    QwenImageTransformer2DModel (RoPE axes 4/6/6)."""
+    qwen = _need("diffusers.models.transformers.transformer_qwenimage")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 7, 3, 16, generator=g).to(dtype)
+    angle = torch.rand(7, 8, generator=g, dtype=torch.float64) * 40
+    freqs = torch.polar(torch.ones_like(angle), angle).to(torch.complex64)
+    lib = qwen.apply_rotary_emb_qwen(x, freqs, use_real=False)
+    with torch.profiler.profile() as prof:
+        out = rome.diffusers.apply_rotary_emb_qwen(x, freqs, use_real=False)
+    assert any(e.name == "rome::rope" for e in prof.events())
+    assert out.dtype == lib.dtype and out.shape == lib.shape
+    pairs = x.double().reshape(2, 7, 3, 8, 2)
+    c, s_ = freqs.real.double()[None, :, None, :], freqs.imag.double()[None, :, None, :]
+    exact = torch.stack([pairs[..., 0] * c - pairs[..., 1] * s_,
+                         pairs[..., 0] * s_ + pairs[..., 1] * c], dim=-1).flatten(3)
+    terms = (pairs.abs() * (c.abs() + s_.abs()).unsqueeze(-1)).flatten(3)
+    assert_correctly_rounded(out, exact, terms, what="qwen")
+    assert torch.equal(rome.diffusers.apply_rotary_emb_qwen(x, freqs.to(torch.complex128),
+                                                            use_real=False),
+                       qwen.apply_rotary_emb_qwen(x, freqs.to(torch.complex128), use_real=False))
+
+    torch.manual_seed(0)
+    model = qwen.QwenImageTransformer2DModel(
+        patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
+        num_attention_heads=2, joint_attention_dim=24, axes_dims_rope=(4, 6, 6)).eval().to(dtype)
+    inputs = dict(hidden_states=torch.randn(1, 12, 16).to(dtype),
+                  encoder_hidden_states=torch.randn(1, 5, 24).to(dtype),
+                  encoder_hidden_states_mask=torch.ones(1, 5, dtype=torch.long),
+                  timestep=torch.tensor([0.5]).to(dtype), img_shapes=[(1, 3, 4)],
+                  return_dict=False)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        monkeypatch.setattr(qwen, "apply_rotary_emb_qwen", rome.diffusers.apply_rotary_emb_qwen)
+        with torch.profiler.profile() as prof:
+            got = model(**inputs)[0]
+    assert sum(e.name == "rome::rope" for e in prof.events()) == 8  # img/txt q and k, 2 blocks
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
 def test_diffusers_signature_errors_and_fallback():
     embeddings = _need("diffusers.models.embeddings")
     ours = inspect.signature(rome.diffusers.apply_rotary_emb).parameters

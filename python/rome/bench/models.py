@@ -1,12 +1,13 @@
-"""Real transformers model classes with and without RoME (issue 12's whole-network table, the LLM
-part): each model is built from its real configuration (hidden size, heads, head dim, RoPE
-settings), one decoder layer, random init, no downloads, and run forward on one prompt; then one
-decode row (a 2-layer Llama-3.1-8B-shaped model generating 32 tokens).
+"""Real transformers and diffusers model classes with and without RoME (issue 12's whole-network
+table): each model is built from its real configuration (hidden size, heads, head dim, RoPE
+settings), one decoder layer or transformer block, random init, no downloads, and run forward on
+one input; then one decode row (a 2-layer Llama-3.1-8B-shaped model generating 32 tokens).
 
-Per model: forward time without and with ``rome.hf.patch_model`` (timed alternately, median),
-RoPE's share of the unpatched forward (the time spent inside the modeling module's
-``apply_rotary_pos_emb`` and the rotary embedding module, measured by wrapping them in a timed
-run of its own), the speed-up, and the largest logit difference relative to the largest logit.
+Per model: forward time without and with RoME (``rome.hf.patch_model`` or the rome.diffusers
+drop-in; timed alternately, median), RoPE's share of the unpatched forward (the time spent inside
+the modeling module's RoPE function and the rotary embedding module, measured by wrapping them in
+a timed run of its own; not for Wan, whose RoPE is inline in its attention processor), the
+speed-up, and the largest output difference relative to the largest output.
 
 The vocabulary is cut to 1024 entries (the embedding and LM head are not what is measured; the
 real 128K-152K vocabularies would dominate a one-layer model). The dtype is bf16 where the CPU
@@ -130,6 +131,39 @@ def _patch_flux(model):
         module.apply_rotary_emb = original
 
 
+def _qwen_image(layers: int):
+    from diffusers import QwenImageTransformer2DModel
+
+    # Qwen-Image (its class defaults are the released config): 24 heads of 128, text 3584,
+    # complex RoPE axes 16/56/56 through apply_rotary_emb_qwen.
+    model = QwenImageTransformer2DModel(num_layers=layers)
+    return model, "diffusers.models.transformers.transformer_qwenimage"
+
+
+def _qwen_image_inputs(seq: int, dtype: torch.dtype) -> Dict:
+    """seq image tokens (a square latent grid) and seq // 4 text tokens."""
+    side = int(seq ** 0.5)
+    text = seq // 4
+    return {"hidden_states": torch.randn(1, side * side, 64).to(dtype),
+            "encoder_hidden_states": torch.randn(1, text, 3584).to(dtype),
+            "encoder_hidden_states_mask": torch.ones(1, text, dtype=torch.long),
+            "timestep": torch.tensor([0.5]).to(dtype), "img_shapes": [(1, side, side)],
+            "return_dict": False}
+
+
+@contextlib.contextmanager
+def _patch_qwen_image(model):
+    import rome.diffusers
+
+    module = sys.modules["diffusers.models.transformers.transformer_qwenimage"]
+    original = module.apply_rotary_emb_qwen
+    module.apply_rotary_emb_qwen = rome.diffusers.apply_rotary_emb_qwen
+    try:
+        yield True
+    finally:
+        module.apply_rotary_emb_qwen = original
+
+
 def _wan21(layers: int):
     from diffusers import WanTransformer3DModel
 
@@ -188,6 +222,8 @@ MODELS = [
      _hf_inputs(_mrope_positions), _patch_hf, "apply_rotary_pos_emb"),
     ("flux1", "FLUX.1 double-stream block (interleaved 2D RoPE 16/56/56, 24 heads)", _flux1,
      _flux_inputs, _patch_flux, "apply_rotary_emb"),
+    ("qwen_image", "Qwen-Image block (complex 2D RoPE 16/56/56, 24 heads)", _qwen_image,
+     _qwen_image_inputs, _patch_qwen_image, "apply_rotary_emb_qwen"),
     ("wan21_1_3b", "Wan2.1-T2V-1.3B block (interleaved 3D RoPE 44/42/42, 12 heads)", _wan21,
      _wan_inputs, _patch_wan, "rope"),
 ]
