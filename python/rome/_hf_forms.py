@@ -117,7 +117,18 @@ def key_of(source: str) -> Optional[str]:
     return None if fn is None else body_key(fn)
 
 
-_HELPER_BY_KEY = {key_of(src): name for name, sources in HELPERS.items() for src in sources}
+def helper_key(source: str) -> Optional[Tuple[Tuple[str, ...], str]]:
+    """(argument names, body key): a helper with its arguments reordered is another function."""
+    fn = function_def(source)
+    if fn is None:
+        return None
+    args = fn.args
+    if args.vararg or args.kwarg or args.kwonlyargs or args.posonlyargs or args.defaults:
+        return None
+    return tuple(a.arg for a in args.args), body_key(fn)
+
+
+_HELPER_BY_KEY = {helper_key(src): name for name, sources in HELPERS.items() for src in sources}
 _HELPER_CACHE: Dict[object, Optional[str]] = {}
 
 
@@ -126,8 +137,14 @@ def helper_kind(obj) -> Optional[str]:
     if not inspect.isfunction(inspect.unwrap(obj)):
         return None
     if obj not in _HELPER_CACHE:
-        _HELPER_CACHE[obj] = _HELPER_BY_KEY.get(key_of(source_of(obj) or ""))
+        _HELPER_CACHE[obj] = _HELPER_BY_KEY.get(helper_key(source_of(obj) or ""))
     return _HELPER_CACHE[obj]
+
+
+def namespace_of(function) -> Optional[dict]:
+    """The globals `function`'s names resolve in (its defining module's, wherever it is
+    imported)."""
+    return getattr(inspect.unwrap(function), "__globals__", None)
 
 
 def canonical_key(fn: ast.FunctionDef, namespace: dict) -> str:
@@ -166,6 +183,9 @@ def _rope(x, other, cos, sin, rotation="half", rotary_dim=-1, width="full"):
     global _ROPE
     if _ROPE is None:
         _ROPE = torch.ops.rome.rope.default
+    if cos.dim() > x.dim() or (other is not None and cos.dim() > other.dim()):
+        # transformers' broadcast would give a result of the tables' rank; RoME keeps x's.
+        raise ValueError("tables of a higher rank than x")
     if other is None:
         return _ROPE(x, None, cos, sin, None, rotation, [], rotary_dim, width, [], None, None)[0], \
             None
@@ -276,8 +296,10 @@ def _half_after_prefix_tokens(q, k, cos, sin, **kwargs):
 
 # Perception Encoder (audio, video): 2x2 matrices from the tables' first half, rank-4 q and k.
 def _pairs_from_stacked_freqs(q, k, cos, sin, unsqueeze_dim=1):
-    if unsqueeze_dim < 0:  # counted from the end, it lands elsewhere on the [.., 2, 2] matrices
-        raise ValueError("negative unsqueeze_dim")
+    if unsqueeze_dim < 0 or cos.dim() > 3:
+        # The template sums axis 5 and flattens from axis 3: only rank-4 results of tables of
+        # rank 3 or less (and an unsqueeze counted from the front) are the rotation.
+        raise ValueError("negative unsqueeze_dim or tables of rank above 3")
     c, s = _half_table(cos).unsqueeze(unsqueeze_dim), _half_table(sin).unsqueeze(unsqueeze_dim)
     if q.dim() != 4 or k.dim() != 4:
         raise ValueError("q and k must have rank 4")

@@ -203,10 +203,11 @@ class WanAttnProcessor:
         except (ValueError, IndexError, NotImplementedError):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  rotary_emb)
+        # Set on this processor by set_attention_backend / enable_parallelism, else the
+        # original's (see __getattr__).
         out = wan.dispatch_attention_fn(
             query, key, value, attn_mask=attention_mask, dropout_p=0.0, is_causal=False,
-            backend=self.original._attention_backend,
-            parallel_config=self.original._parallel_config)
+            backend=self._attention_backend, parallel_config=self._parallel_config)
         out = out.flatten(2, 3).type_as(query)
         return attn.to_out[1](attn.to_out[0](out))
 
@@ -221,6 +222,10 @@ class _WanPatch:
 
     def undo(self) -> None:
         for attn, original in self.swapped:
+            # Settings diffusers made on RoME's processor while it was in place go back with it.
+            for name in ("_attention_backend", "_parallel_config"):
+                if name in vars(attn.processor):
+                    setattr(original, name, vars(attn.processor)[name])
             attn.processor = original
         self.swapped = []
 

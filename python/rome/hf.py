@@ -152,6 +152,9 @@ def _rope_kernel(q, k, cos, sin, rd):
     global _ROPE
     if _ROPE is None:
         _ROPE = torch.ops.rome.rope.default
+    if cos.dim() > q.dim() or (k is not None and cos.dim() > k.dim()):
+        # transformers' broadcast gives a result of the tables' rank; the op keeps q's.
+        raise ValueError("rome.hf: tables of a higher rank than q")
     same = cos.dtype == q.dtype and sin.dtype == q.dtype
     q_in = q if same else q.to(_out_dtype(q, cos, sin))
     if k is None:
@@ -389,10 +392,11 @@ def _contract(module: ModuleType):
     fn = forms.function_def(_source_of(original) or "")
     if fn is None:
         return None, "source of apply_rotary_pos_emb unavailable"
-    if module.__dict__.get("torch") is not torch:
-        return None, "'torch' in the module is not torch"
+    namespace = forms.namespace_of(original)
+    if namespace is None or namespace.get("torch") is not torch:
+        return None, "'torch' where apply_rotary_pos_emb is defined is not torch"
     signature = forms.signature(fn)
-    key = forms.canonical_key(fn, module.__dict__)
+    key = forms.canonical_key(fn, namespace)
     if key == _LLAMA_KEY:
         if signature == _SIG_V5:
             return _apply_rotary_pos_emb_v5, None
@@ -416,8 +420,9 @@ def _interleave_contract(module: ModuleType):
     if original is None:
         return None, None
     fn = forms.function_def(_source_of(original) or "") if callable(original) else None
-    if fn is not None:
-        form = forms.INTERLEAVE_FORM_BY_KEY.get(forms.canonical_key(fn, module.__dict__))
+    namespace = forms.namespace_of(original)
+    if fn is not None and namespace is not None and namespace.get("torch") is torch:
+        form = forms.INTERLEAVE_FORM_BY_KEY.get(forms.canonical_key(fn, namespace))
         if form is not None and forms.signature(fn) == form.signature:
             return forms.make_replacement(form, original), None
     return None, "apply_rotary_pos_emb_interleave is no form RoME serves"
@@ -487,9 +492,12 @@ class HFPatch:
         skipped: {module name: reason} for modules of the model left alone.
     """
 
-    def __init__(self, patched: List[str], skipped: Dict[str, str], rotary=()):
+    def __init__(self, patched: List[str], skipped: Dict[str, str], rotary=(), entries=None):
         self.patched = list(patched)
         self.skipped = dict(skipped)
+        # The _ACTIVE entry each patched name counted on: one replaced since (the module restored
+        # by hand, then patched again) belongs to other handles.
+        self._entries = dict(entries or {})
         self._rotary = list(rotary)  # (qualified name, module) of each patched rotary module
         self._undone = False
 
@@ -513,7 +521,7 @@ class HFPatch:
                 sub.__dict__.pop("_rome_original_forward", None)
             for name in self.patched:
                 entry = _ACTIVE.get(name)
-                if entry is None:
+                if entry is None or entry is not self._entries.get(name):
                     continue
                 entry[1] -= 1
                 if entry[1] == 0:
@@ -569,7 +577,7 @@ def _patch_modules(modules: Sequence[ModuleType]) -> HFPatch:
             for fn, (_, new) in swaps.items():
                 setattr(module, fn, new)
             patched.append(name)
-    return HFPatch(patched, skipped)
+    return HFPatch(patched, skipped, entries={name: _ACTIVE[name] for name in patched})
 
 
 def patch_module(module: ModuleType) -> HFPatch:

@@ -509,6 +509,13 @@ def test_diffusers_wan_processor(dtype):
     assert sum(e.name == "rome::rope" for e in prof.events()) == 2
     assert [m.processor for m in model.modules() if hasattr(m, "processor")] == processors
     assert torch.equal(again, ref)
+    # An attention backend set while RoME's processor is in place is used, and kept on undo.
+    with rome.diffusers.patch_wan(model):
+        model.set_attention_backend("native")
+        with torch.no_grad():
+            torch.testing.assert_close(model(x, t, text, return_dict=False)[0], out,
+                                       rtol=0, atol=0)
+    assert all(p._attention_backend is not None for p in processors)
     # Wan's RoPE is fp32 math with one rounding, as RoME's: the blocks see the same q and k up to
     # fp32 noise (bf16: an ulp where the fp32 sums round differently).
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -150,6 +150,7 @@ def test_every_module_is_served(rope_modules):
         finally:
             handle.undo()
     print(f"served {len(served)} of {len(rope_modules)} modules", file=sys.stderr)
+    assert len(rope_modules) >= 150, "transformers' modeling modules were not found"
     assert len(served) >= 0.95 * len(rope_modules)
 
 
@@ -224,6 +225,65 @@ def test_every_served_module_matches_float64(rope_modules, dtype, tables):
     with_function = [m for m in rope_modules if "apply_rotary_pos_emb" in m.__dict__]
     assert checked >= 0.95 * len(with_function), checked
     assert mla_checked >= 12, mla_checked
+
+
+_SWAPPED_HELPER = """
+import torch
+
+def _apply_rotary_emb(x, sin, cos):
+    first_half, second_half = torch.chunk(x, 2, dim=-1)
+    first_ = first_half * cos - second_half * sin
+    second_ = second_half * cos + first_half * sin
+    return torch.cat((first_, second_), dim=-1)
+
+def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):
+    cos = cos.unsqueeze(unsqueeze_dim)
+    sin = sin.unsqueeze(unsqueeze_dim)
+    q_embed = _apply_rotary_emb(q, cos, sin)
+    k_embed = _apply_rotary_emb(k, cos, sin)
+    return q_embed, k_embed
+"""
+
+
+def test_inputs_a_form_does_not_compute_run_the_original(tmp_path, monkeypatch):
+    """Tables of a higher rank than q (transformers broadcasts to the tables' rank), Perception
+    Encoder's rank-4 tables (its template sums another axis then) and a helper whose arguments
+    are reordered (another function under the same body) must not run RoME's math."""
+    def same_as_original(module_name, args):
+        module = importlib.import_module(module_name)
+        original = module.apply_rotary_pos_emb
+        with rome.hf.patch_module(module) as handle:
+            assert module_name in handle.patched, handle
+            got = module.apply_rotary_pos_emb(*args)
+        want = original(*args)
+        for g, w in zip(got, want):
+            assert g.shape == w.shape and torch.equal(g, w), (module_name, g.shape, w.shape)
+
+    g = torch.Generator().manual_seed(1)
+    q, k = torch.randn(2, 3, 4, 8, generator=g), torch.randn(2, 3, 4, 8, generator=g)
+    cos, sin = _tables((1, 1, 4, 8), g)
+    same_as_original("transformers.models.olmo.modeling_olmo", (q, k, cos, sin))
+    same_as_original("transformers.models.pe_audio.modeling_pe_audio",
+                     (q[:1, :2, :3], k[:1, :2, :3], cos[..., :3, :], sin[..., :3, :]))
+    (tmp_path / "rome_swapped_helper.py").write_text(_SWAPPED_HELPER)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    module = importlib.import_module("rome_swapped_helper")
+    with rome.hf.patch_module(module) as handle:
+        assert handle.patched == [], handle
+
+
+def test_repatch_after_a_manual_restore():
+    """A handle whose patch was undone by hand does not undo a later patch."""
+    module = importlib.import_module("transformers.models.olmo.modeling_olmo")
+    original = module.apply_rotary_pos_emb
+    first = rome.hf.patch_module(module)
+    module.apply_rotary_pos_emb = original
+    second = rome.hf.patch_module(module)
+    replacement = module.apply_rotary_pos_emb
+    first.undo()
+    assert module.apply_rotary_pos_emb is replacement and second.active
+    second.undo()
+    assert module.apply_rotary_pos_emb is original
 
 
 # ------------------------------------------------------------------------------------------------
