@@ -100,8 +100,10 @@ tsan: deps
 
 # One pytest worker per core, a whole file per worker (module fixtures such as the bench run
 # are built once).
+# Idle OpenMP threads sleep instead of spinning: the workers and the benchmark test's subprocess
+# share the cores, and spinning threads of one process starved the others (3x slower).
 test-python: python
-	$(PYTHON) -m pytest -q -rs -n $(JOBS) --dist loadfile tests/python
+	OMP_WAIT_POLICY=PASSIVE $(PYTHON) -m pytest -q -rs -n $(JOBS) --dist loadfile tests/python
 
 bench: build python
 	$(PYTHON) -m rome.bench $(BENCH_ARGS)

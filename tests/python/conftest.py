@@ -6,6 +6,10 @@ skipped with the reason. ROME_TEST_ISAS=scalar,avx512 narrows the list (e.g. for
 A test marked `one_isa` runs on the highest ISA only: opcheck checks the op's registration
 (schema, fake/meta kernel, autograd, AOT dispatch), which no ISA changes, and every ISA's numbers
 are checked by the reference tests; running it per ISA doubled the suite's time.
+
+Under pytest-xdist (make test runs one worker per core) each worker runs torch on one thread:
+two workers of two spinning OpenMP threads each on a 2-core machine made the heaviest tests
+(tiny models, the benchmark's subprocess) 3-4x slower. Tests of threading set their own counts.
 """
 
 import os
@@ -60,6 +64,8 @@ def pytest_terminal_summary(terminalreporter):
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "one_isa: run on the highest ISA under test only")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 def pytest_generate_tests(metafunc):
