@@ -1,16 +1,17 @@
 """The RoPE functions transformers' modeling modules define, beyond the Llama one, and RoME's
 replacement for each.
 
-A module's ``apply_rotary_pos_emb`` is served only when its syntax tree equals one of the
-templates below once every helper it calls (``rotate_half``, ``rotate_every_two``,
-``_apply_rotary_emb``, ``stack_freqs``, under whatever name the module gives it) is replaced by
-the canonical name of the helper whose syntax tree it has. So ``rotate_half`` in a template means
-"the module's function of that name is the interleaved one", never a guess from its name.
+A module's ``apply_rotary_pos_emb`` (or MLA's ``apply_rotary_pos_emb_interleave``) is served only
+when its syntax tree equals one of the templates below once every helper it calls is renamed to
+the canonical name (ROTATE_HALF, ROTATE_PAIRS, APPLY_HALVES, STACK_FREQS, ...) of the helper whose
+syntax tree and argument list it has, looked up in the function's own globals. So
+``ROTATE_PAIRS(q)`` in a template means "q passed to a function, whatever its name, that is the
+pair rotation", never a guess from a name.
 
 Each replacement runs RoME's op and falls back to the module's own function (same arguments)
 where the op refuses the inputs (float64, not on the CPU, tables that would broadcast q to a
-larger shape, ...) and under ``torch.compile`` (whose fake kernels do not validate), so a patched
-model never fails where the original would not.
+larger shape or rank, ...) and under ``torch.compile`` (whose fake kernels do not validate), so a
+patched model never fails where the original would not.
 """
 
 import ast
