@@ -117,18 +117,25 @@ def _flux_inputs(seq: int, dtype: torch.dtype) -> Dict:
 
 
 @contextlib.contextmanager
+def _module_name_replaced(module_name: str, name: str, replacement):
+    """`name` in the (imported) module `module_name` is `replacement` inside the block: diffusers'
+    attention processors look their RoPE function up by name at call time."""
+    module = sys.modules[module_name]
+    original = getattr(module, name)
+    setattr(module, name, replacement)
+    try:
+        yield True
+    finally:
+        setattr(module, name, original)
+
+
 def _patch_flux(model):
     """diffusers has no hook for it: Flux's attention processors call the name
     `apply_rotary_emb` their module imported from diffusers.models.embeddings."""
     import rome.diffusers
 
-    module = sys.modules["diffusers.models.transformers.transformer_flux"]
-    original = module.apply_rotary_emb
-    module.apply_rotary_emb = rome.diffusers.apply_rotary_emb
-    try:
-        yield True
-    finally:
-        module.apply_rotary_emb = original
+    return _module_name_replaced("diffusers.models.transformers.transformer_flux",
+                                 "apply_rotary_emb", rome.diffusers.apply_rotary_emb)
 
 
 def _qwen_image(layers: int):
@@ -151,17 +158,11 @@ def _qwen_image_inputs(seq: int, dtype: torch.dtype) -> Dict:
             "return_dict": False}
 
 
-@contextlib.contextmanager
 def _patch_qwen_image(model):
     import rome.diffusers
 
-    module = sys.modules["diffusers.models.transformers.transformer_qwenimage"]
-    original = module.apply_rotary_emb_qwen
-    module.apply_rotary_emb_qwen = rome.diffusers.apply_rotary_emb_qwen
-    try:
-        yield True
-    finally:
-        module.apply_rotary_emb_qwen = original
+    return _module_name_replaced("diffusers.models.transformers.transformer_qwenimage",
+                                 "apply_rotary_emb_qwen", rome.diffusers.apply_rotary_emb_qwen)
 
 
 def _wan21(layers: int):
