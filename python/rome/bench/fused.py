@@ -40,7 +40,7 @@ def _hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Ten
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
-def cell(tokens: int, threads: int, repeats: int, memmove: Memmove) -> Dict:
+def cell(tokens: int, threads: int, repeats: int, memmove: Memmove, inner_small: int = 200) -> Dict:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(tokens)
     cache = _cache()
@@ -105,7 +105,7 @@ def cell(tokens: int, threads: int, repeats: int, memmove: Memmove) -> Dict:
            "separate_cache": separate_cache, "eager_cache": eager_cache,
            "copy_a": lambda: dst_a.copy_(src_a), "memmove_a": mm_a,
            "copy_b": lambda: dst_b.copy_(src_b), "memmove_b": mm_b}
-    inner = 200 if tokens <= 16 else 1
+    inner = inner_small if tokens <= 16 else 1
     if inner > 1:
         fns = {key: (lambda f=f: [f() for _ in range(inner)]) for key, f in fns.items()}
     t = _median_round_robin(fns, repeats if inner == 1 else max(repeats, 9), warmup=2)
@@ -127,7 +127,8 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
         for tokens in tokens_list:
             for threads in threads_list:
                 progress(f"fused passes: T={tokens}, {threads} thread(s)")
-                cells.append(cell(tokens, threads, repeats, memmove))
+                # --quick (CI): 20 calls per sample for the small T instead of 200.
+                cells.append(cell(tokens, threads, repeats, memmove, 20 if quick else 200))
     finally:
         torch.set_num_threads(saved)
     return {"cells": cells, "isa": rome.active_isa(), "wall_s": round(time.perf_counter() - start, 1)}

@@ -1,7 +1,8 @@
 """Real transformers and diffusers model classes with and without RoME (issue 12's whole-network
 table): each model is built from its real configuration (hidden size, heads, head dim, RoPE
 settings), one decoder layer or transformer block, random init, no downloads, and run forward on
-one input; then one decode row (a 2-layer Llama-3.1-8B-shaped model generating 32 tokens).
+one input; then one decode row (a 2-layer Llama-3.1-8B-shaped model generating 32 tokens; --quick:
+1 layer, 8 tokens).
 
 Per model: forward time without and with RoME (``rome.hf.patch_model`` or the rome.diffusers
 drop-in; timed alternately, median), RoPE's share of the unpatched forward (the time spent inside
@@ -325,10 +326,11 @@ def model_row(spec, seq: int, dtype: torch.dtype, repeats: int, threads: int) ->
     }
 
 
-def decode_row(dtype: torch.dtype, tokens: int, prompt: int, repeats: int, threads: int) -> Dict:
+def decode_row(dtype: torch.dtype, tokens: int, prompt: int, repeats: int, threads: int,
+               layers: int = 2) -> Dict:
     torch.set_num_threads(threads)
     torch.manual_seed(0)
-    model, _ = _llama31_8b(2)
+    model, _ = _llama31_8b(layers)
     model = model.to(dtype).eval()
     ids = torch.randint(0, VOCAB, (1, prompt))
     gen = dict(max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
@@ -347,7 +349,8 @@ def decode_row(dtype: torch.dtype, tokens: int, prompt: int, repeats: int, threa
                 samples["rome"].append(time.perf_counter() - t0)
     t_torch, t_rome = statistics.median(samples["torch"]), statistics.median(samples["rome"])
     return {"tokens": tokens, "prompt": prompt, "dtype": str(dtype).replace("torch.", ""),
-            "threads": threads, "torch_tok_s": tokens / t_torch, "rome_tok_s": tokens / t_rome,
+            "threads": threads, "layers": layers, "torch_tok_s": tokens / t_torch,
+            "rome_tok_s": tokens / t_rome,
             "same_tokens": bool(torch.equal(ref, out))}
 
 
@@ -368,9 +371,10 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
             except Exception as e:  # another library version's API must not stop the benchmark
                 rows.append({"key": spec[0], "title": spec[1], "seq": seq, "threads": threads,
                              "error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"})
-        progress("models: decode, 2-layer Llama-3.1-8B shape")
+        layers = 1 if quick else 2  # --quick (CI): one layer, as building the weights dominates
+        progress(f"models: decode, {layers}-layer Llama-3.1-8B shape")
         try:
-            decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads)
+            decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads, layers)
         except Exception as e:
             decode = {"error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"}
     finally:
@@ -406,7 +410,7 @@ def markdown(res: Dict) -> str:
         return "\n".join(lines + ["", f"Decode: failed: {d['error']}"]) + "\n"
     lines += [
         "",
-        f"Decode: a 2-layer Llama-3.1-8B-shaped model generating {d['tokens']} tokens after a "
+        f"Decode: a {d.get('layers', 2)}-layer Llama-3.1-8B-shaped model generating {d['tokens']} tokens after a "
         f"{d['prompt']}-token prompt (greedy, `model.generate`), {d['threads']} thread(s): "
         f"{d['torch_tok_s']:.2f} tokens/s without RoME, {d['rome_tok_s']:.2f} with "
         f"({(d['rome_tok_s'] / d['torch_tok_s'] - 1) * 100:+.1f}%); same tokens: "
