@@ -1,4 +1,5 @@
-// libFuzzer target over RoME's public entry points: rope_forward (q, q+k) and rope_backward.
+// libFuzzer target over RoME's public entry points: rope_forward (q, q+k) and rope_backward, and
+// rope_check against rope_forward.
 //
 // The input is decoded byte by byte (a zero byte, or the end of the input, always picks the
 // plainest option) into one call: a rotation (half, interleave, quarter, interleave_half,
@@ -1080,6 +1081,49 @@ struct Outcome {
   std::string argument, message;
 };
 
+// Errors whose cause needs memory (null or misaligned pointers, aliasing, position values) or
+// the execution options: rope_check, which reads nothing and takes no options, does not see them.
+bool needs_memory(const std::string& message) {
+  for (const char* cause :
+       {"data pointer", "disjoint", "overlap", "options.", "positions: expected values"})
+    if (message.find(cause) != std::string::npos) return true;
+  return false;
+}
+
+// rope_check on the same views without data must agree with rope_forward: the same error, or
+// none where rope_forward's error needs memory.
+void check_agrees_with_forward(const Case& c, World& w, const Tables& tables,
+                               const Outcome& forward) {
+  auto no_data = [](auto v) {
+    v.data = nullptr;
+    return v;
+  };
+  Tables t = tables;
+  t.cos.data = t.sin.data = t.positions.data = nullptr;
+  std::string check_message;
+  try {
+    const Operand q{no_data(view_of<const void*>(c.t[Q_IN], w)),
+                    no_data(view_of<void*>(c.t[Q_OUT], w))};
+    if (c.op == 0) {
+      rope_check(*c.rot, t, q);
+    } else {
+      const Operand k{no_data(view_of<const void*>(c.t[K_IN], w)),
+                      no_data(view_of<void*>(c.t[K_OUT], w))};
+      rope_check(*c.rot, t, q, &k);
+    }
+  } catch (const rome::Error& e) {
+    check_message = e.what();
+  }
+  if (check_message.empty()) {
+    if (!forward.ok && !needs_memory(forward.message))
+      bug("rope_check accepted what rope_forward refused: " + forward.message);
+  } else if (forward.ok) {
+    bug("rope_check refused what rope_forward ran: " + check_message);
+  } else if (check_message != forward.message && !needs_memory(forward.message)) {
+    bug("rope_check and rope_forward disagree: " + check_message + " / " + forward.message);
+  }
+}
+
 Outcome call(const Case& c, World& w, int threads) {
   Outcome o;
   Tables tables;
@@ -1122,6 +1166,7 @@ Outcome call(const Case& c, World& w, int threads) {
   } catch (...) {
     bug("non-standard exception");
   }
+  if (c.op != 2) check_agrees_with_forward(c, w, tables, o);
   return o;
 }
 

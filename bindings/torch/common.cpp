@@ -95,9 +95,10 @@ static rome::DType any_dtype(const Tensor& t, const std::string& name, bool inte
   }
 }
 
+// Meta tensors (the Meta kernels, which only check) give views without data.
 template <typename View>
 static View make_view(const Tensor& t, const std::string& name, bool integer) {
-  check_cpu(t, name);
+  if (!t.is_meta()) check_cpu(t, name);
   const rome::DType dtype = any_dtype(t, name, integer);
   if (t.dim() > rome::kMaxRank)
     rome::fail(rome::Status::invalid_argument, name,
@@ -105,7 +106,7 @@ static View make_view(const Tensor& t, const std::string& name, bool integer) {
                "rank " + std::to_string(t.dim()) + " " + shape_of(t));
   View v;
   using Pointer = decltype(v.data);
-  v.data = static_cast<Pointer>(t.data_ptr());
+  v.data = t.is_meta() ? nullptr : static_cast<Pointer>(t.data_ptr());
   v.dtype = dtype;
   v.rank = static_cast<int>(t.dim());
   for (int i = 0; i < v.rank; ++i) {
@@ -139,14 +140,20 @@ Tensor alloc_like(const Tensor& t) {
 // ----------------------------------------------------------------------------------------------
 // Rotations, cached: building one analyses the matrices and builds per-ISA permute plans.
 
+// A meta matrix has no values: the identity stands in (the Meta kernels check shapes only).
 static std::vector<float> matrix_values(const Tensor& m, const std::string& name, int64_t rd) {
-  check_cpu(m, name);
+  if (!m.is_meta()) check_cpu(m, name);
   float_dtype(m, name);
   if (m.dim() != 2 || m.size(0) != rd || m.size(1) != rd)
     rome::fail(rome::Status::invalid_argument, name,
                "a [" + std::to_string(rd) + ", " + std::to_string(rd) +
                    "] matrix (rotary_dim x rotary_dim)",
                shape_of(m));
+  if (m.is_meta()) {
+    std::vector<float> identity(std::size_t(rd * rd), 0.0f);
+    for (int64_t i = 0; i < rd; ++i) identity[std::size_t(i * rd + i)] = 1.0f;
+    return identity;
+  }
   const Tensor f = m.to(at::kFloat).contiguous();
   const float* p = f.data_ptr<float>();
   return std::vector<float>(p, p + rd * rd);

@@ -1,5 +1,9 @@
 // Meta kernels of the rome:: operators: fresh outputs with the CPU kernels' shapes, dtypes and
-// strides.
+// strides. The rope family, the matrix ops, rotary_embedding and the interleaved op also check
+// their arguments as the CPU kernels do (calls.hpp, Mode::check), so torch.compile refuses while
+// tracing what the CPU kernel would refuse, with the same message; with symbolic shapes
+// (dynamic=True) that check is left to the CPU kernel at run time.
+#include "calls.hpp"
 #include "dispatch.hpp"
 
 namespace rome_torch {
@@ -30,39 +34,62 @@ const Tensor* opt(const OptTensor& t) {
   return t.has_value() ? &*t : nullptr;
 }
 
-void require_rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+// Whether every tensor has concrete sizes and strides (rope_check needs numbers).
+bool concrete(NamedTensors tensors) {
+  for (const auto& t : tensors)
+    if (t.second && t.second->defined() &&
+        t.second->unsafeGetTensorImpl()->has_symbolic_sizes_strides())
+      return false;
+  return true;
+}
+
+// Every argument on meta; then whether the shapes are concrete (checked like the CPU kernel).
+bool require_rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
                        const OptTensor& positions, const OptTensor& mat_a, const OptTensor& mat_b) {
-  require_all_meta({{"q", &q},
-                    {"k", opt(k)},
-                    {"cos", &cos},
-                    {"sin", &sin},
-                    {"positions", opt(positions)},
-                    {"mat_a", opt(mat_a)},
-                    {"mat_b", opt(mat_b)}});
+  const NamedTensors tensors = {{"q", &q},
+                                {"k", opt(k)},
+                                {"cos", &cos},
+                                {"sin", &sin},
+                                {"positions", opt(positions)},
+                                {"mat_a", opt(mat_a)},
+                                {"mat_b", opt(mat_b)}};
+  require_all_meta(tensors);
+  return concrete(tensors);
 }
 
 std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos,
                                      const Tensor& sin, const OptTensor& positions,
-                                     c10::string_view, c10::IntArrayRef, int64_t, c10::string_view,
-                                     c10::IntArrayRef, const OptTensor& mat_a,
+                                     c10::string_view rotation, c10::IntArrayRef blocks,
+                                     int64_t rotary_dim, c10::string_view table_width,
+                                     c10::IntArrayRef column_axis, const OptTensor& mat_a,
                                      const OptTensor& mat_b) {
-  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  if (require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b))
+    return rope_call(Mode::check, q, k, cos, sin, positions, rotation, blocks, rotary_dim,
+                     table_width, column_axis, mat_a, mat_b);
   return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
 }
 
 void rope_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
-                       const OptTensor& positions, c10::string_view, c10::IntArrayRef, int64_t,
-                       c10::string_view, c10::IntArrayRef, const OptTensor& mat_a,
+                       const OptTensor& positions, c10::string_view rotation,
+                       c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+                       c10::IntArrayRef column_axis, const OptTensor& mat_a,
                        const OptTensor& mat_b) {
-  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  if (require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b))
+    rope_inplace_call(Mode::check, q, k, cos, sin, positions, rotation, blocks, rotary_dim,
+                      table_width, column_axis, mat_a, mat_b);
 }
 
 void rope_out_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
                    const Tensor& q_out, const OptTensor& k_out, const OptTensor& positions,
-                   c10::string_view, c10::IntArrayRef, int64_t, c10::string_view, c10::IntArrayRef,
+                   c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                   c10::string_view table_width, c10::IntArrayRef column_axis,
                    const OptTensor& mat_a, const OptTensor& mat_b) {
-  require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
-  require_all_meta({{"q_out", &q_out}, {"k_out", opt(k_out)}});
+  const bool checkable = require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  const NamedTensors outputs = {{"q_out", &q_out}, {"k_out", opt(k_out)}};
+  require_all_meta(outputs);
+  if (checkable && concrete(outputs))
+    rope_out_call(Mode::check, q, k, cos, sin, q_out, k_out, positions, rotation, blocks,
+                  rotary_dim, table_width, column_axis, mat_a, mat_b);
 }
 
 std::tuple<Tensor, Tensor> rope_from_positions_meta(const Tensor& q, const OptTensor& k,
@@ -90,21 +117,30 @@ void rope_from_positions_inplace_meta(const Tensor& q, const OptTensor& k, const
 }
 
 Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
-  require_all_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}});
+  const NamedTensors tensors = {{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}};
+  require_all_meta(tensors);
+  if (concrete(tensors)) return rope_matrix_call(Mode::check, x, mat, sin, cos);
   return alloc_like(x);
 }
 
 void rope_matrix_inplace_meta(const Tensor& x, const Tensor& mat, const Tensor& sin,
                               const Tensor& cos) {
-  require_all_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}});
+  const NamedTensors tensors = {{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}};
+  require_all_meta(tensors);
+  if (concrete(tensors)) rope_matrix_inplace_call(Mode::check, x, mat, sin, cos);
 }
 
 void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const OptTensor& key,
-                           int64_t, const Tensor& cos_sin_cache, bool, int64_t, bool) {
-  require_all_meta({{"positions", &positions},
-                    {"query", &query},
-                    {"key", opt(key)},
-                    {"cos_sin_cache", &cos_sin_cache}});
+                           int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
+                           int64_t rope_dim_offset, bool inverse) {
+  const NamedTensors tensors = {{"positions", &positions},
+                                {"query", &query},
+                                {"key", opt(key)},
+                                {"cos_sin_cache", &cos_sin_cache}};
+  require_all_meta(tensors);
+  if (concrete(tensors))
+    rotary_embedding_call(Mode::check, positions, query, key, head_size, cos_sin_cache, is_neox,
+                          rope_dim_offset, inverse);
 }
 
 void fused_qk_norm_rope_meta(const Tensor& qkv, int64_t, int64_t, int64_t, int64_t, double,
@@ -146,7 +182,9 @@ void rerotate_paged_meta(const Tensor& key_cache, const Tensor& cos, const Tenso
 }
 
 Tensor interleaved_meta(const Tensor& x, const Tensor& freqs_cis) {
-  require_all_meta({{"x", &x}, {"freqs_cis", &freqs_cis}});
+  const NamedTensors tensors = {{"x", &x}, {"freqs_cis", &freqs_cis}};
+  require_all_meta(tensors);
+  if (concrete(tensors)) return interleaved_call(Mode::check, x, freqs_cis);
   return alloc_like(x);
 }
 

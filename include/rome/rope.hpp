@@ -78,6 +78,14 @@ struct ExecOptions {
 void rope_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                   const Operand* k = nullptr, const ExecOptions& options = {});
 
+// Checks the arguments of rope_forward as it does before its first write, from shapes, dtypes
+// and strides alone: data pointers may be null and nothing is read, so what needs memory (null or
+// misaligned pointers, aliasing between q, k, their outputs and the tables, position values) is
+// left to rope_forward. For hosts that must refuse a call without running it: the torch front's
+// Meta kernels, so that torch.compile refuses while tracing what the CPU kernel refuses.
+void rope_check(const Rotation& rotation, const Tables& tables, const Operand& q,
+                const Operand* k = nullptr);
+
 // A paged key cache and the sequences whose keys to re-rotate (context shift, prefix reuse).
 // cache: [num_blocks, block_size, heads, head_dim], any strides but a contiguous last axis (a
 // [num_blocks, heads, block_size, head_dim] cache is passed as its permuted view).

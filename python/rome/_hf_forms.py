@@ -10,8 +10,8 @@ pair rotation", never a guess from a name.
 
 Each replacement runs RoME's op and falls back to the module's own function (same arguments)
 where the op refuses the inputs (float64, not on the CPU, tables that would broadcast q to a
-larger shape or rank, ...) and under ``torch.compile`` (whose fake kernels do not validate), so a
-patched model never fails where the original would not.
+larger shape or rank, ...) and under ``torch.compile`` (where a refusal raises while tracing,
+with no fallback to catch it), so a patched model never fails where the original would not.
 """
 
 import ast

@@ -30,7 +30,7 @@ ulp of the result plus half an ulp of each product (see tests/python/test_dropin
 does not take (not on the CPU, float64, rank above 5, tables that broadcast q to a larger shape)
 run transformers' formula in eager PyTorch instead, so the drop-in never fails where transformers
 would not. Under ``torch.compile`` the forms beyond Llama's and the partial one run the module's
-own function (RoME's fake kernels do not validate, so a refusal could not fall back there).
+own function (a refusal would raise while tracing, where nothing can fall back).
 """
 
 import sys
@@ -116,8 +116,9 @@ def _rope_qk(
     if not torch.compiler.is_compiling():
         # Eager: ask the kernel itself (it validates everything before writing anything) and
         # fall back to transformers' formula on its refusal; the Python checks below cost more
-        # than a decode step's RoPE. Under torch.compile the fake kernel does not validate, so
-        # the checks decide there.
+        # than a decode step's RoPE. Under torch.compile a refusal raises while tracing (the
+        # Meta kernel checks as the CPU one does), where nothing can catch it: the checks below
+        # decide there.
         try:
             return _rope_kernel(q, k, cos, sin, rd)
         except (ValueError, IndexError, NotImplementedError):

@@ -17,6 +17,9 @@
 namespace rome::detail {
 namespace {
 
+// Set by MetadataOnly (rope_check): no data pointer is required or compared, no value is read.
+thread_local bool t_metadata_only = false;
+
 using std::int64_t;
 using std::to_string;
 
@@ -183,7 +186,7 @@ bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_siz
 // multiple of the element size (kernels and the scalar path load through typed pointers: a
 // misaligned address is undefined behaviour, and a split load on some CPUs).
 void check_data_pointer(const std::string& name, const void* data, DType dtype, int64_t numel) {
-  if (numel == 0) return;
+  if (numel == 0 || t_metadata_only) return;
   if (data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
   const int es = dtype_size(dtype);
   const auto address = reinterpret_cast<std::uintptr_t>(data);
@@ -237,6 +240,7 @@ CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t
     fail(Status::invalid_argument, out, "strides that give every element its own address",
          "strides " + dims_string(op.out.strides, op.out.rank) + " for shape " +
              shape_string(op.out));
+  if (t_metadata_only) return c;
   c.in_place = op.out.data == op.in.data;
   for (int i = 0; c.in_place && i < op.in.rank; ++i)
     c.in_place = op.in.shape[i] <= 1 || op.in.strides[i] == op.out.strides[i];
@@ -375,7 +379,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       fail(Status::invalid_argument, "k.dtype",
            std::string(dtype_name(q.in.dtype)) + " (the dtype of q)", dtype_name(k->in.dtype));
     const int es = dtype_size(plan.dtype);
-    if (k->in.numel() > 0 && q.in.numel() > 0) {
+    if (k->in.numel() > 0 && q.in.numel() > 0 && !t_metadata_only) {
       if (may_overlap(q.out, k->out, es))
         fail(Status::invalid_argument, "k_out", "memory disjoint from q_out", "an overlap");
       if (may_overlap(q.in, k->out, es))
@@ -516,7 +520,9 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
       if (p.shape[i] != 1) varies[i] = true;
       pos_stride[i] = p.strides[i];
     }
-    if (table_free) {
+    if (t_metadata_only) {
+      // Position values are checked when the call runs.
+    } else if (table_free) {
       if (p.dtype == DType::i32)
         check_positions_angle<std::int32_t>(p, largest_frequency);
       else
@@ -555,6 +561,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     plan.k.in_place = ck.in_place;
   }
   auto outputs_clear_of_tables = [&](const TensorView& out, const std::string& name) {
+    if (t_metadata_only) return;
     if (!table_free) {
       require_disjoint(out, name, cos, "cos");
       require_disjoint(out, name, sin, "sin");
@@ -957,6 +964,13 @@ void require_distinct_elements(const std::string& name, const TensorView& v) {
 bool views_may_overlap(const ConstTensorView& a, const ConstTensorView& b) {
   if (a.dtype != b.dtype) return bytes_may_overlap(a, b);
   return may_overlap(a, b, dtype_size(a.dtype));
+}
+
+MetadataOnly::MetadataOnly() : previous_(t_metadata_only) {
+  t_metadata_only = true;
+}
+MetadataOnly::~MetadataOnly() {
+  t_metadata_only = previous_;
 }
 
 }  // namespace rome::detail

@@ -80,6 +80,19 @@ bool angle_in_range(std::int64_t position, double largest_frequency);
 [[noreturn]] void fail_angle(std::int64_t position, double largest_frequency,
                              const std::string& at);
 
+// While one is alive on this thread, the checks use shapes, dtypes and strides only: data
+// pointers may be null, and aliasing between views and position values go unchecked (rope_check).
+class MetadataOnly {
+ public:
+  MetadataOnly();
+  ~MetadataOnly();
+  MetadataOnly(const MetadataOnly&) = delete;
+  MetadataOnly& operator=(const MetadataOnly&) = delete;
+
+ private:
+  bool previous_;
+};
+
 // q_written = false: q.out is ignored (backward without dx).
 ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                          const Operand* k, bool q_written = true);

@@ -241,6 +241,20 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   t_last_call_threads = counter.count();
 }
 
+void rope_check(const Rotation& rotation, const Tables& tables, const Operand& q,
+                const Operand* k) {
+  const detail::MetadataOnly metadata_only;
+  if (const std::int64_t offset = rotation.lane_offset(); offset > 0) {
+    const std::int64_t hd = rotation.head_dim();
+    const detail::NarrowedOperand nq = detail::narrow_operand("q", q, hd, offset);
+    detail::NarrowedOperand nk;
+    if (k) nk = detail::narrow_operand("k", *k, hd, offset);
+    detail::plan_forward(rotation.unshifted(), tables, nq.operand, k ? &nk.operand : nullptr);
+    return;
+  }
+  detail::plan_forward(rotation, tables, q, k);
+}
+
 int last_call_threads() noexcept {
   return t_last_call_threads;
 }

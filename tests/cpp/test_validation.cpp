@@ -51,6 +51,17 @@ struct Call {
     tables.positions.fill([&](const auto& i) { return double(i[2] % cache_rows); });
     t = tables.view();
   }
+  // rope_check with every data pointer null: it must decide from shapes, dtypes and strides.
+  void check_without_data() const {
+    ConstTensorView xv = x_view, kv = k_view;
+    TensorView ov = out_view, kov = k_out_view;
+    Tables tv = t;
+    xv.data = kv.data = tv.cos.data = tv.sin.data = nullptr;
+    ov.data = kov.data = nullptr;
+    if (tv.is_cache()) tv.positions.data = nullptr;
+    const Operand ko{kv, kov};
+    rope_check(rotation, tv, Operand{xv, ov}, with_k ? &ko : nullptr);
+  }
   void run() {
     if (with_k) {
       const Operand ko{k_view, k_out_view};
@@ -61,10 +72,16 @@ struct Call {
   }
 };
 
+// Where an error's cause lies: in shapes, dtypes and strides (rope_check, which reads no memory,
+// must raise the very same error), or in memory (pointers, aliasing, position values: rope_check
+// must accept the call and leave it to rope_forward).
+enum class Cause { metadata, memory };
+
 // Runs the call, expects rome::Error with `status` naming `argument` and containing every piece
-// of `fragments`, and checks that no output was written.
+// of `fragments`, and checks that no output was written; then rope_check as `cause` says.
 void expect_error(Call& call, Status status, const std::string& argument,
-                  std::initializer_list<std::string> fragments) {
+                  std::initializer_list<std::string> fragments, Cause cause = Cause::metadata) {
+  std::string forward_message;
   const auto out_before = call.out.storage, x_before = call.x.storage, k_before = call.k.storage,
              k_out_before = call.k_out.storage;
   try {
@@ -78,6 +95,18 @@ void expect_error(Call& call, Status status, const std::string& argument,
     EXPECT_NE(message.find(", got "), std::string::npos) << message;
     for (const auto& f : fragments)
       EXPECT_NE(message.find(f), std::string::npos) << message << " lacks " << f;
+    forward_message = message;
+  }
+  if (cause == Cause::memory) {
+    EXPECT_NO_THROW(call.check_without_data()) << "rope_check refused a call for its memory";
+  } else {
+    try {
+      call.check_without_data();
+      ADD_FAILURE() << "rope_check raised nothing; rope_forward: " << forward_message;
+    } catch (const Error& e) {
+      EXPECT_EQ(e.status(), status) << e.what();
+      EXPECT_EQ(std::string(e.what()), forward_message);
+    }
   }
   EXPECT_EQ(out_before, call.out.storage) << "out written on error";
   EXPECT_EQ(x_before, call.x.storage) << "x written on error";
@@ -88,6 +117,16 @@ void expect_error(Call& call, Status status, const std::string& argument,
 TEST(Validation, ValidCallSucceeds) {
   Call c;
   EXPECT_NO_THROW(c.run());
+  EXPECT_NO_THROW(c.check_without_data());
+  c.with_k = true;
+  c.use_cache(DType::i32, 4);
+  EXPECT_NO_THROW(c.run());
+  EXPECT_NO_THROW(c.check_without_data());
+  c.rotation = Rotation::half(4).partial(8, 2);  // a lane offset: checked on the narrowed heads
+  c.tables.cos = TestTensor::make(DType::f32, {4, 4});
+  c.tables.sin = TestTensor::make(DType::f32, {4, 4});
+  c.t = c.tables.view();
+  EXPECT_NO_THROW(c.check_without_data());
 }
 TEST(Validation, RankTooSmall) {
   Call c;
@@ -122,7 +161,7 @@ TEST(Validation, HeadDimMismatch) {
 TEST(Validation, NullData) {
   Call c;
   c.x_view.data = nullptr;
-  expect_error(c, Status::invalid_argument, "q", {"data pointer", "null"});
+  expect_error(c, Status::invalid_argument, "q", {"data pointer", "null"}, Cause::memory);
 }
 // A pointer one byte past an element boundary (x is bf16: 2-byte elements). The storage is
 // copied one byte along so the view still covers valid memory and ASan sees real reads.
@@ -130,28 +169,28 @@ TEST(Validation, MisalignedData) {
   Call c;
   std::vector<unsigned char> bytes(c.x.storage.size() + 1);
   c.x_view.data = bytes.data() + 1;
-  expect_error(c, Status::invalid_argument, "q", {"aligned to 2 bytes", "bfloat16", "address 0x"});
+  expect_error(c, Status::invalid_argument, "q", {"aligned to 2 bytes", "bfloat16", "address 0x"}, Cause::memory);
 }
 TEST(Validation, MisalignedOutput) {
   Call c;
   std::vector<unsigned char> bytes(c.out.storage.size() + 1);
   c.out_view.data = bytes.data() + 1;
   const auto before = bytes;
-  expect_error(c, Status::invalid_argument, "q_out", {"aligned to 2 bytes"});
+  expect_error(c, Status::invalid_argument, "q_out", {"aligned to 2 bytes"}, Cause::memory);
   EXPECT_EQ(before, bytes);
 }
 TEST(Validation, MisalignedTable) {
   Call c;
   std::vector<unsigned char> bytes(c.tables.sin.storage.size() + 2);
   c.t.sin.data = bytes.data() + 2;
-  expect_error(c, Status::invalid_argument, "sin", {"aligned to 4 bytes", "float32"});
+  expect_error(c, Status::invalid_argument, "sin", {"aligned to 4 bytes", "float32"}, Cause::memory);
 }
 TEST(Validation, MisalignedPositions) {
   Call c;
   c.use_cache(DType::i64, 4);
   std::vector<unsigned char> bytes(c.tables.positions.storage.size() + 4);
   c.t.positions.data = bytes.data() + 4;  // int64 at a 4-byte boundary
-  expect_error(c, Status::invalid_argument, "positions", {"aligned to 8 bytes", "int64"});
+  expect_error(c, Status::invalid_argument, "positions", {"aligned to 8 bytes", "int64"}, Cause::memory);
 }
 TEST(Validation, NonContiguousHeadAxis) {
   Call c;
@@ -185,7 +224,7 @@ TEST(Validation, PartialOverlapOfInputAndOutput) {
   shifted.shape[0] = 2;
   c.out_view = shifted;
   c.out_view.data = static_cast<std::uint16_t*>(c.x.view().data) + 8;
-  expect_error(c, Status::invalid_argument, "q_out", {"partial overlap"});
+  expect_error(c, Status::invalid_argument, "q_out", {"partial overlap"}, Cause::memory);
 }
 TEST(Validation, KRankMismatch) {
   Call c;
@@ -206,13 +245,13 @@ TEST(Validation, KOutputOverlapsQOutput) {
   c.with_k = true;
   c.k_out_view.data = c.out_view.data;
   c.k_out_view.strides[0] = c.out_view.strides[0];
-  expect_error(c, Status::invalid_argument, "k_out", {"disjoint from q_out"});
+  expect_error(c, Status::invalid_argument, "k_out", {"disjoint from q_out"}, Cause::memory);
 }
 TEST(Validation, KOutputOverlapsQ) {
   Call c;
   c.with_k = true;
   c.k_out_view.data = const_cast<void*>(c.x_view.data);
-  expect_error(c, Status::invalid_argument, "k_out", {"disjoint from q"});
+  expect_error(c, Status::invalid_argument, "k_out", {"disjoint from q"}, Cause::memory);
 }
 TEST(Validation, QOutputOverlapsK) {
   Call c;
@@ -222,7 +261,7 @@ TEST(Validation, QOutputOverlapsK) {
   c.out_view.shape[1] = 1;
   c.x_view.shape[1] = 1;
   for (int i = 0; i < 4; ++i) c.out_view.strides[i] = c.k_view.strides[i];
-  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from k"});
+  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from k"}, Cause::memory);
 }
 TEST(Validation, KSizeDiffersWhereTablesVary) {
   Call c;
@@ -263,7 +302,7 @@ TEST(Validation, TableWidth) {
 TEST(Validation, TableNullData) {
   Call c;
   c.t.cos.data = nullptr;
-  expect_error(c, Status::invalid_argument, "cos", {"data pointer", "null"});
+  expect_error(c, Status::invalid_argument, "cos", {"data pointer", "null"}, Cause::memory);
 }
 TEST(Validation, SinShapeDiffersFromCos) {
   Call c;
@@ -322,25 +361,25 @@ TEST(Validation, PositionPastCacheEnd) {
   Call c;
   c.use_cache(DType::i64, 4);
   c.tables.positions.set({1, 0, 3}, 4);
-  expect_error(c, Status::out_of_range, "positions", {"values in [0, 4)", "4 at index [1, 0, 3]"});
+  expect_error(c, Status::out_of_range, "positions", {"values in [0, 4)", "4 at index [1, 0, 3]"}, Cause::memory);
 }
 TEST(Validation, NegativePosition) {
   Call c;
   c.use_cache(DType::i32, 4);
   c.tables.positions.set({0, 0, 2}, -1);
-  expect_error(c, Status::out_of_range, "positions", {"-1 at index [0, 0, 2]"});
+  expect_error(c, Status::out_of_range, "positions", {"-1 at index [0, 0, 2]"}, Cause::memory);
 }
 TEST(Validation, HugePositionDoesNotWrap) {
   Call c;
   c.use_cache(DType::i64, 4);
   c.tables.positions.set({0, 0, 0}, double(std::int64_t(1) << 40));
-  expect_error(c, Status::out_of_range, "positions", {"1099511627776"});
+  expect_error(c, Status::out_of_range, "positions", {"1099511627776"}, Cause::memory);
 }
 TEST(Validation, PositionsNull) {
   Call c;
   c.use_cache(DType::i64, 4);
   c.t.positions.data = nullptr;  // a shape without data is a broken cache, not direct tables
-  expect_error(c, Status::invalid_argument, "positions", {"data pointer", "null"});
+  expect_error(c, Status::invalid_argument, "positions", {"data pointer", "null"}, Cause::memory);
 }
 TEST(Validation, TableWidthOutsideEnum) {
   Call c;
@@ -354,12 +393,12 @@ TEST(Validation, OutputOverlapsPositions) {
   TestTensor& pos = c.tables.positions;
   c.out_view.data = pos.storage.data();
   c.out_view.dtype = DType::bf16;
-  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from positions"});
+  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from positions"}, Cause::memory);
 }
 TEST(Validation, OutputOverlapsTables) {
   Call c;
   c.out_view.data = c.tables.cos.storage.data();
-  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from cos"});
+  expect_error(c, Status::invalid_argument, "q_out", {"disjoint from cos"}, Cause::memory);
 }
 TEST(Validation, MinimumStride) {
   Call c;

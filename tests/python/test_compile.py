@@ -196,3 +196,41 @@ def test_compile_rotary_embedding_module():
     compiled = torch.compile(module, fullgraph=True)
     for got, want in zip(compiled(q, k, grid=(2, 3, 4)), module(q, k, grid=(2, 3, 4))):
         assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("op", ["rope", "rope_", "rotary_embedding"])
+def test_compile_refuses_bad_shapes_while_tracing(op):
+    """The Meta kernels check with the CPU kernels' code: a table of the wrong width fails while
+    tracing with the CPU kernel's message (naming the op's argument), before anything runs."""
+    q = torch.randn(B, N, S, D)
+    before = q.clone()
+    if op == "rotary_embedding":
+        query = q.reshape(B * S, N * D)
+        cache = torch.randn(16, D + 2)  # rotary_dim D + 2 > head_size D
+
+        def fn(query):
+            rome.ops.rotary_embedding(torch.arange(B * S), query, None, D, cache, True)
+            return query * 2
+
+        args, name = (query,), "cos_sin_cache"
+    else:
+        cos, sin = torch.randn(S, D - 2), torch.randn(S, D - 2)
+
+        def fn(q):
+            if op == "rope":
+                return rome.ops.rope(q, None, cos, sin)[0] * 2
+            rome.ops.rope_(q, None, cos, sin)
+            return q * 2
+
+        args, name = (q,), "cos"
+    graphs = []  # a graph reaches the backend only if tracing succeeded
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    with pytest.raises(Exception) as info:
+        torch.compile(fn, fullgraph=True, backend=backend)(*args)
+    assert f"rome: {name}: expected" in str(info.value)
+    assert not graphs, "the error came from running the graph, not from tracing it"
+    assert torch.equal(q, before)

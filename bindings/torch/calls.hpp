@@ -1,0 +1,70 @@
+// The rome:: ops' handling of their arguments, up to the core call, shared by the CPU kernels
+// (which run the call) and the Meta kernels (which check it with rome::rope_check): one set of
+// rules for what an op accepts, and the same error for the same bad argument on either device.
+#pragma once
+
+#include <optional>
+#include <string>
+#include <tuple>
+
+#include "dispatch.hpp"
+
+namespace rome_torch {
+
+enum class Mode {
+  run,    // CPU: rome::rope_forward
+  check,  // Meta: rome::rope_check (shapes, dtypes, strides; nothing read or written)
+};
+
+struct Prepared {
+  std::optional<rome::Rotation> rotation;
+  PreparedTables tables;
+};
+
+// Rotation and tables of the general op (rope, rope_, rope_out, _rope_backward).
+Prepared prepare(const Tensor& q, const Tensor& cos, const Tensor& sin, const OptTensor& positions,
+                 c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
+                 c10::string_view table_width, c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                 const OptTensor& mat_b, const char* q_name = "q");
+
+// q (and k) into fresh outputs: (q_out, k_out), k_out empty without k.
+std::tuple<Tensor, Tensor> forward_out_of_place(Mode mode, const rome::Rotation& rotation,
+                                                const rome::Tables& tables, const Tensor& q,
+                                                const OptTensor& k);
+// q (and k) in place.
+void forward_in_place(Mode mode, const rome::Rotation& rotation, const rome::Tables& tables,
+                      const Tensor& q, const OptTensor& k);
+
+std::tuple<Tensor, Tensor> rope_call(Mode mode, const Tensor& q, const OptTensor& k,
+                                     const Tensor& cos, const Tensor& sin,
+                                     const OptTensor& positions, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim,
+                                     c10::string_view table_width, c10::IntArrayRef column_axis,
+                                     const OptTensor& mat_a, const OptTensor& mat_b);
+void rope_inplace_call(Mode mode, const Tensor& q, const OptTensor& k, const Tensor& cos,
+                       const Tensor& sin, const OptTensor& positions, c10::string_view rotation,
+                       c10::IntArrayRef blocks, int64_t rotary_dim, c10::string_view table_width,
+                       c10::IntArrayRef column_axis, const OptTensor& mat_a,
+                       const OptTensor& mat_b);
+void rope_out_call(Mode mode, const Tensor& q, const OptTensor& k, const Tensor& cos,
+                   const Tensor& sin, const Tensor& q_out, const OptTensor& k_out,
+                   const OptTensor& positions, c10::string_view rotation, c10::IntArrayRef blocks,
+                   int64_t rotary_dim, c10::string_view table_width, c10::IntArrayRef column_axis,
+                   const OptTensor& mat_a, const OptTensor& mat_b);
+Tensor rope_matrix_call(Mode mode, const Tensor& x, const Tensor& mat, const Tensor& sin,
+                        const Tensor& cos);
+void rope_matrix_inplace_call(Mode mode, const Tensor& x, const Tensor& mat, const Tensor& sin,
+                              const Tensor& cos);
+void rotary_embedding_call(Mode mode, const Tensor& positions, const Tensor& query,
+                           const OptTensor& key, int64_t head_size, const Tensor& cos_sin_cache,
+                           bool is_neox, int64_t rope_dim_offset, bool inverse);
+Tensor interleaved_call(Mode mode, const Tensor& x, const Tensor& freqs_cis);
+
+// vLLM's layouts, also used by the fused ops.
+rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes,
+                           int64_t head_size);
+rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
+                         int64_t max_rotary, const std::string& max_rotary_what);
+rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox, int64_t offset = 0);
+
+}  // namespace rome_torch
