@@ -23,6 +23,8 @@
 //   --repeats R         timed samples (default 20); --warmup W (default 3)
 //   --inner K           calls per sample (default: auto, so a sample lasts >= 1 ms)
 //   --in-place          rotate q/k in place instead of writing separate outputs
+//   --qk-norm           rome::qk_norm_rope (per-head RMSNorm + RoPE, in place) on token-major
+//                       q [T, Hq, D] and k [T, Hk, D] (give --q T,Hq,D --k T,Hk,D)
 //   --isa NAME          cap the ISA (scalar|avx2|avx512|amx)
 //
 // Output: one JSON object on stdout; times are seconds per call. The copy ("floor") reads x (and
@@ -46,6 +48,7 @@
 #include "core/convert.hpp"
 #include "core/rotation_data.hpp"
 #include "core/thread_pool.hpp"
+#include "rome/fused.hpp"
 #include "rome/rome.hpp"
 
 namespace {
@@ -158,7 +161,8 @@ int usage(const char* why) {
                "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
                "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
                "[--tile-tokens T] "
-               "[--repeats R] [--warmup W] [--inner K] [--in-place] [--force-dense] [--isa NAME]\n",
+               "[--repeats R] [--warmup W] [--inner K] [--in-place] [--qk-norm] [--force-dense] "
+               "[--isa NAME]\n",
                why);
   return 2;
 }
@@ -172,7 +176,7 @@ int main(int argc, char** argv) {
   DType dtype = DType::bf16, table_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0;
-  bool in_place = false, force_dense = false;
+  bool in_place = false, force_dense = false, qk_norm = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -206,6 +210,8 @@ int main(int argc, char** argv) {
         inner = std::stoi(value());
       else if (a == "--in-place")
         in_place = true;
+      else if (a == "--qk-norm")
+        qk_norm = in_place = true;
       else if (a == "--force-dense")
         force_dense = true;
       else if (a == "--isa")
@@ -221,13 +227,15 @@ int main(int argc, char** argv) {
   if (q_shape.size() < 2 || q_shape.size() > 5) return usage("--q needs 2 to 5 sizes");
   if (!k_shape.empty() && k_shape.size() != q_shape.size())
     return usage("--k needs as many sizes as --q");
+  if (qk_norm && (q_shape.size() != 3 || k_shape.size() != 3 || k_shape[0] != q_shape[0]))
+    return usage("--qk-norm needs --q T,Hq,D and --k T,Hk,D");
   repeats = std::max(1, repeats);
   if (threads <= 0) threads = rome::default_num_threads();
 
   try {
     if (!isa_name.empty()) rome::set_max_isa(parse_isa(isa_name));
     const std::int64_t dim = q_shape.back();
-    const std::int64_t seq = q_shape[q_shape.size() - 2];
+    const std::int64_t seq = qk_norm ? q_shape[0] : q_shape[q_shape.size() - 2];
     rome::Rotation rotation = make_rotation(rotation_kind, dim);
     if (!blocks.empty() && rotation_kind == "dense") {
       rotation = rome::bench::random_orthogonal_blocks(blocks);
@@ -265,13 +273,21 @@ int main(int argc, char** argv) {
       positions[s] = cache - seq + s;
 
     rome::Tables tables;
-    tables.cos = view_of<const void*>(cos_t.data, table_dtype, {rows, rd});
-    tables.sin = view_of<const void*>(sin_t.data, table_dtype, {rows, rd});
+    // qk_norm_rope's tables vary along T only: direct [T, 1, rd], or positions [T, 1].
+    const std::vector<std::int64_t> table_shape = qk_norm && cache == 0
+                                                      ? std::vector<std::int64_t>{rows, 1, rd}
+                                                      : std::vector<std::int64_t>{rows, rd};
+    tables.cos = view_of<const void*>(cos_t.data, table_dtype, table_shape);
+    tables.sin = view_of<const void*>(sin_t.data, table_dtype, table_shape);
     if (cache > 0) {
       std::vector<std::int64_t> pshape(q_shape.size() - 1, 1);
-      pshape.back() = seq;
+      pshape[qk_norm ? 0 : pshape.size() - 1] = seq;
       tables.positions = view_of<const void*>(positions.data(), DType::i64, pshape);
     }
+    std::vector<float> q_weight(std::size_t(dim), 1.25f), k_weight(std::size_t(dim), 0.75f);
+    rome::QkNorm norm;
+    norm.q_weight = view_of<const void*>(q_weight.data(), DType::f32, {dim});
+    norm.k_weight = view_of<const void*>(k_weight.data(), DType::f32, {dim});
 
     auto qv = view_of<void*>(q.data, dtype, q_shape);
     auto qo = in_place ? qv : view_of<void*>(q_out.data, dtype, q_shape);
@@ -286,7 +302,11 @@ int main(int argc, char** argv) {
     options.num_threads = threads;
     options.tile_tokens = tile_tokens;
     auto rope = [&] {
-      rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options);
+      if (qk_norm)
+        rome::qk_norm_rope(rotation, tables, norm, qv, view_of<void*>(k.data, dtype, k_shape),
+                           options);
+      else
+        rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options);
     };
 
     // The same bytes: x (and k) copied to the outputs (or onto themselves in place: a copy to

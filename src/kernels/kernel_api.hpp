@@ -51,11 +51,15 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
                                      std::int64_t ldb, float* c, std::int64_t ldc);
 
 // Per-head RMSNorm fused with a signed-permutation rotation (QK-norm + RoPE). Each row of head_dim
-// lanes is normalised in fp32: ss = Σ x² in a fixed order (lane j into partial sum j % 8 by fma,
-// then ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), r = 1 / sqrt(ss / head_dim + eps),
-// n = (x·r)·weight; then n is rotated on its first rotary_dim lanes exactly as ForwardFn rotates
-// x (natural table layout, signs folded), lanes past rotary_dim are n, and each lane is rounded
-// once. Every ISA gives the same bits. In place (y == x) or out of place.
+// lanes is normalised in fp32: ss = Σ x² in a fixed order (lane j into partial sum j % 8 by fma;
+// for bf16, each whole 16-lane chunk's even lanes 16c + 2k into partial sum k, then its odd lanes;
+// then ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), r = 1 / sqrt(ss / head_dim + eps), n = x·r; the
+// weight goes into the table row (common/norm_fold-inl.hpp: C'_j = C_j·w_a(j), S'_j = S_j·w_b(j),
+// once per row of tables, not per head), n is rotated on its first rotary_dim lanes with C', S'
+// exactly as ForwardFn rotates x (natural table layout, signs folded), lanes past rotary_dim are
+// n·w, and each lane is rounded once. Every ISA gives the same bits (where two NaNs meet in one
+// operation, which payload survives follows the compiler's operand order). In place (y == x) or
+// out of place.
 struct NormParams {
   const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
   float eps;

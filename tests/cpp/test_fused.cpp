@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <vector>
 
@@ -174,6 +175,68 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
                 << isa_name(isa) << " " << dtype_name(dtype) << " d " << fc.d;
           }
       }
+}
+
+// NaN, infinities, values whose products overflow, zero rows, NaN and huge weights, huge table
+// entries: every ISA still gives the scalar kernel's bits (the SIMD paths skip the epilogue's
+// guard and redo a chunk with a NaN result the exact way; this reaches the redo).
+TEST(QkNormRope, SpecialValuesMatchScalarOnEveryIsa) {
+  std::mt19937_64 rng(8);
+  const double specials[] = {std::nan(""), INFINITY, -INFINITY, 3.0e38, -3.0e38, 1e-40, 0.0};
+  for (const FusedCase& fc : kCases)
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16}) {
+      const std::int64_t T = 12;
+      const Rotation rotation =
+          (fc.neox ? Rotation::half(fc.rd) : Rotation::interleave(fc.rd)).partial(fc.d);
+      Cache cache = make_cache(16, fc.rd, T, rng);
+      cache.cos.set({3, 1}, 1e30);  // products past fp32's range where it is read
+      cache.sin.set({5, 0}, -1e30);
+      TestTensor qw = TestTensor::make(DType::f32, {fc.d}),
+                 kw = TestTensor::make(DType::f32, {fc.d});
+      qw.fill_random(rng, 0.5, 1.5);
+      kw.fill_random(rng, 0.5, 1.5);
+      // A NaN with every payload bit set: rounding it to bf16 must quieten it, not carry it into
+      // the sign (0x7fffffff + 0x7fff would be -0).
+      const std::uint32_t payload_bits = 0x7fffffffu;
+      float payload_nan;
+      std::memcpy(&payload_nan, &payload_bits, sizeof payload_nan);
+      qw.set({1}, double(payload_nan));
+      kw.set({fc.d - 1}, 1e30);
+      QkNorm norm{qw.cview(), kw.cview(), 1e-6f, false};
+      Packed original = make_packed(dtype, T, fc.hq, fc.hk, fc.d, rng);
+      const std::int64_t width = (fc.hq + 2 * fc.hk) * fc.d;
+      std::uniform_int_distribution<std::int64_t> any_column(0, width - 1);
+      for (std::int64_t t = 0; t < T; ++t) {
+        if (t == 4) {  // a row of zeros: scale 1/sqrt(eps)
+          for (std::int64_t j = 0; j < width; ++j) original.buffer.set({t, j}, 0.0);
+          continue;
+        }
+        for (int n = 0; n < 3; ++n)
+          original.buffer.set({t, any_column(rng)}, specials[std::size_t(rng() % 7)]);
+      }
+      Packed expected = original;
+      {
+        ScopedIsa scoped(Isa::scalar);
+        qk_norm_rope(rotation, cache.view(fc.neox), norm, expected.q(), expected.k());
+      }
+      for (Isa isa : isas_under_test()) {
+        ScopedIsa scoped(isa);
+        Packed got = original;
+        qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k());
+        // Bit for bit, but where both are NaN: which of two NaN operands' payloads an
+        // arithmetic operation passes on depends on the operand order the compiler chose.
+        const TestTensor& g = got.buffer;
+        const TestTensor& e = expected.buffer;
+        for (std::int64_t i = 0; i < g.numel(); ++i) {
+          const auto idx = g.unravel(i);
+          const double a = g.get(idx), b = e.get(idx);
+          if (std::isnan(a) && std::isnan(b)) continue;
+          ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0)
+              << isa_name(isa) << " " << dtype_name(dtype) << " d " << fc.d << " rd " << fc.rd
+              << " element " << i << ": " << a << " vs " << b;
+        }
+      }
+    }
 }
 
 TEST(QkNormRope, OtherPermutationsTakeTheLaneLoop) {

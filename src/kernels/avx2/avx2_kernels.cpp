@@ -102,23 +102,6 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
     copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
 }
 
-// avx2::combine without its guard for a non-finite xa·c. Where the guard matters (xa·c is inf
-// or NaN) this returns NaN, and where it returns no NaN it equals avx2::combine bit for bit:
-// then p = xa·c is finite, so e = fma(xa, c, -p) is too and nothing was guarded.
-ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
-  const __m256 p = _mm256_mul_ps(xa, c);
-  return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
-}
-
-// Whether a or b has a NaN lane, in two operations instead of three: a + b is NaN wherever a or b
-// is. It is also NaN where they are infinities of opposite signs; the caller's exact redo is
-// merely not needed there, never wrong.
-ROME_INLINE bool any_nan(__m256 a, __m256 b) {
-  const __m256 sum = _mm256_add_ps(a, b);
-  const __m256 nan = _mm256_cmp_ps(sum, sum, _CMP_UNORD_Q);
-  return !_mm256_testz_ps(nan, nan);
-}
-
 template <typename T>
 ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const TileRow<T>& row, std::int64_t v) {
   return avx2::combine(xa, _mm256_load_ps(row.C + kW * v), xb, _mm256_load_ps(row.S + kW * v));
@@ -283,33 +266,6 @@ ROME_INLINE void rows_single(const Work& w, const ForwardTile& tile) {
 // (TableLayout::even_odd_16). Interleave pairs an even lane with the odd lane beside it; half
 // and quarter pair chunk c with chunk c ^ K. The outputs are rounded as Bf16::narrow does and
 // merged back by a shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle.
-struct EvenOdd {
-  __m256 even, odd;
-};
-
-ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
-          _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))))};
-}
-
-// fp32 lanes rounded to bf16 in their upper 16 bits (Bf16::narrow before its shift).
-ROME_INLINE __m256i round_bf16_high(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q),
-                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
-// Round-to-nearest-even of lanes that are not NaN (Bf16::narrow without its NaN case).
-ROME_INLINE __m256i round_bf16_high_not_nan(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-}
-
 template <bool kStream>
 ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w) {
   if constexpr (kStream)

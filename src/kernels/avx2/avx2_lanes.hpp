@@ -1,5 +1,6 @@
 // AVX2 building blocks shared by this ISA's kernels: fp32 vectors of 8 lanes from and to each
-// storage type (bit exact with src/core/convert.hpp), the compensated epilogue, byte copies.
+// storage type (bit exact with src/core/convert.hpp), the compensated epilogue (guarded, and
+// unguarded with a NaN check), bf16 even/odd splitting and rounding, byte copies.
 // Included only by translation units compiled with the AVX2 flags.
 #pragma once
 
@@ -127,6 +128,53 @@ ROME_INLINE __m256 combine(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   const __m256 finite = _mm256_cmp_ps(abs_p, _mm256_set1_ps(3.40282347e+38f), _CMP_LE_OQ);
   const __m256 e = _mm256_and_ps(finite, _mm256_fmsub_ps(xa, c, p));
   return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), e);
+}
+
+// avx2::combine without its guard for a non-finite xa·c. Where the guard matters (xa·c is inf
+// or NaN) this returns NaN, and where it returns no NaN it equals avx2::combine bit for bit:
+// then p = xa·c is finite, so e = fma(xa, c, -p) is too and nothing was guarded.
+ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+  const __m256 p = _mm256_mul_ps(xa, c);
+  return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
+}
+
+// Whether a or b has a NaN lane, in two operations instead of three: a + b is NaN wherever a or b
+// is. It is also NaN where they are infinities of opposite signs; the caller's exact redo is
+// merely not needed there, never wrong.
+ROME_INLINE bool any_nan(__m256 a, __m256 b) {
+  const __m256 sum = _mm256_add_ps(a, b);
+  const __m256 nan = _mm256_cmp_ps(sum, sum, _CMP_UNORD_Q);
+  return !_mm256_testz_ps(nan, nan);
+}
+
+// bf16, 16 lanes at a time: one 32-byte load split into its even lanes (shifted up) and its odd
+// lanes (masked) as two fp32 vectors; results go back through round_bf16_high(_not_nan) and a
+// shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle.
+struct EvenOdd {
+  __m256 even, odd;
+};
+
+ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
+  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
+          _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))))};
+}
+
+// fp32 lanes rounded to bf16 in their upper 16 bits (Bf16::narrow before its shift).
+ROME_INLINE __m256i round_bf16_high(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// Round-to-nearest-even of lanes that are not NaN (Bf16::narrow without its NaN case).
+ROME_INLINE __m256i round_bf16_high_not_nan(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
 }
 
 }  // namespace rome::kernels::avx2

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "../../core/convert.hpp"
+#include "../common/norm_fold-inl.hpp"
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 
@@ -78,10 +79,20 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
   }
 }
 
-// The fixed summation order of NormForwardFn.
+// The fixed summation order of NormForwardFn: partial sum j % 8 for lane j; for bf16 rows, the
+// lanes of each whole 16-lane chunk c go even lanes first (16c + 2k into partial sum k), then
+// odd ones (16c + 2k + 1 into k), the order of the SIMD kernels' even/odd split.
+template <DType D>
 float sum_of_squares(const float* x, std::int64_t n) {
   float s[8] = {};
-  for (std::int64_t j = 0; j < n; ++j) s[j % 8] = std::fma(x[j], x[j], s[j % 8]);
+  std::int64_t j = 0;
+  if constexpr (D == DType::bf16) {
+    for (; j + 16 <= n; j += 16) {
+      for (int k = 0; k < 8; ++k) s[k] = std::fma(x[j + 2 * k], x[j + 2 * k], s[k]);
+      for (int k = 0; k < 8; ++k) s[k] = std::fma(x[j + 2 * k + 1], x[j + 2 * k + 1], s[k]);
+    }
+  }
+  for (; j < n; ++j) s[j % 8] = std::fma(x[j], x[j], s[j % 8]);
   return ((s[0] + s[4]) + (s[2] + s[6])) + ((s[1] + s[5]) + (s[3] + s[7]));
 }
 
@@ -90,22 +101,31 @@ void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const 
   using T = typename detail::Storage<D>::type;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   thread_local std::vector<float> row;
-  if (std::int64_t(row.size()) < hd) row.resize(hd);
+  if (std::int64_t(row.size()) < hd + 2 * rd) row.resize(hd + 2 * rd);
   float* nf = row.data();
+  float* cw = nf + hd;  // the table row with the weight folded in (fold_norm_weight)
+  float* sw = cw + rd;
+  const float* folded_cos = nullptr;
+  const float* folded_sin = nullptr;
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const T* x = static_cast<const T*>(tile.x_row(n));
     T* y = static_cast<T*>(tile.y_row(n));
     const float* cos = tile.cos_row(n);
     const float* sin = tile.sin_row(n);
+    if (cos != folded_cos || sin != folded_sin) {
+      fold_norm_weight(r, cos, sin, norm.weight, cw, sw);
+      folded_cos = cos;
+      folded_sin = sin;
+    }
     for (std::int64_t j = 0; j < hd; ++j) nf[j] = detail::load_float<D>(x + j);
-    const float scale = 1.0f / std::sqrt(sum_of_squares(nf, hd) / float(hd) + norm.eps);
-    for (std::int64_t j = 0; j < hd; ++j) nf[j] = (nf[j] * scale) * norm.weight[j];
+    const float scale = 1.0f / std::sqrt(sum_of_squares<D>(nf, hd) / float(hd) + norm.eps);
+    for (std::int64_t j = 0; j < hd; ++j) nf[j] *= scale;
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? nf[j] : r.a.sign[j] == 0 ? 0.0f : nf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : nf[r.b.src[j]];
-      detail::store_float<D>(y + j, combine(xa, cos[j], xb, sin[j]));
+      detail::store_float<D>(y + j, combine(xa, cw[j], xb, sw[j]));
     }
-    for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, nf[j]);
+    for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, nf[j] * norm.weight[j]);
   }
 }
 
