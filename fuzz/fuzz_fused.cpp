@@ -11,7 +11,8 @@
 // Oracle: the call on the active ISA with 2 threads and the same call through the scalar kernel
 // on 1 thread must agree: both raise rome::Error with the same status and argument and leave
 // every buffer untouched, or both succeed with the same bytes in every buffer; on success every
-// cache slot that no token names is unchanged. Anything else aborts.
+// cache slot that no token names is unchanged; and the check functions on the same views
+// without data raise the same error, or none where the error needs memory. Anything else aborts.
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -164,11 +165,15 @@ World build(const Case& c) {
 struct Outcome {
   bool ok = true;
   Status status = Status::ok;
-  std::string argument;
+  std::string argument, message;
 };
 
-Outcome call(const Case& c, World& w, int threads) {
+// check_only: the same views without data through qk_norm_rope_check / rope_and_cache_kv_check.
+Outcome call(const Case& c, World& w, int threads, bool check_only = false) {
   Outcome o;
+  auto data = [&](Buffer& b, i64 offset = 0) -> void* {
+    return check_only ? nullptr : b.ptr(offset);
+  };
   try {
     std::optional<Rotation> rotation;
     if (c.dense) {
@@ -179,42 +184,58 @@ Outcome call(const Case& c, World& w, int threads) {
     }
     if (c.d > c.rd) rotation = rotation->partial(c.d);
     Tables tables;
-    tables.cos = make_view<const void*>(w.table_cos.ptr(), c.table, {c.rows, c.rd / 2});
-    tables.sin = make_view<const void*>(w.table_sin.ptr(), c.table, {c.rows, c.rd / 2});
-    tables.positions = make_view<const void*>(w.positions.ptr(), DType::i64, {c.T, 1});
+    tables.cos = make_view<const void*>(data(w.table_cos), c.table, {c.rows, c.rd / 2});
+    tables.sin = make_view<const void*>(data(w.table_sin), c.table, {c.rows, c.rd / 2});
+    tables.positions = make_view<const void*>(data(w.positions), DType::i64, {c.T, 1});
     tables.width = c.neox ? TableWidth::halves : TableWidth::pairs;
     const i64 width = (c.hq + c.hk) * c.d + c.pad;
-    const TensorView q = make_view<void*>(w.qkv.ptr(), c.x, {c.T, c.hq, c.d}, {width, c.d, 1});
+    const TensorView q = make_view<void*>(data(w.qkv), c.x, {c.T, c.hq, c.d}, {width, c.d, 1});
     const TensorView k =
-        make_view<void*>(w.qkv.ptr(c.hq * c.d), c.x, {c.T, c.hk, c.d}, {width, c.d, 1});
+        make_view<void*>(data(w.qkv, c.hq * c.d), c.x, {c.T, c.hk, c.d}, {width, c.d, 1});
     QkNorm norm;
-    norm.q_weight = make_view<const void*>(w.q_weight.ptr(), c.weight, {c.weight_len});
-    norm.k_weight = make_view<const void*>(w.k_weight.ptr(), c.weight, {c.weight_len});
+    norm.q_weight = make_view<const void*>(data(w.q_weight), c.weight, {c.weight_len});
+    norm.k_weight = make_view<const void*>(data(w.k_weight), c.weight, {c.weight_len});
     norm.eps = c.eps;
     norm.unit_offset = c.gemma;
     ExecOptions options;
     options.num_threads = threads;
     if (!c.use_cache) {
-      qk_norm_rope(*rotation, tables, norm, q, k, options);
+      if (check_only)
+        qk_norm_rope_check(*rotation, tables, norm, q, k);
+      else
+        qk_norm_rope(*rotation, tables, norm, q, k, options);
     } else {
       PagedKvWrite write;
-      write.value = make_view<const void*>(w.value.ptr(), c.x, {c.T, c.value_heads, c.d});
-      write.key_cache = make_view<void*>(w.key_cache.ptr(), c.cache_dtype,
+      write.value = make_view<const void*>(data(w.value), c.x, {c.T, c.value_heads, c.d});
+      write.key_cache = make_view<void*>(data(w.key_cache), c.cache_dtype,
                                          {c.blocks, c.block, c.cache_heads, c.d});
-      write.value_cache = make_view<void*>(w.value_cache.ptr(), c.cache_dtype,
+      write.value_cache = make_view<void*>(data(w.value_cache), c.cache_dtype,
                                            {c.blocks, c.block, c.cache_heads, c.d});
-      write.slot_mapping = make_view<const void*>(w.slots.ptr(), DType::i64, {c.T});
-      rope_and_cache_kv(*rotation, tables, q, k, write, c.use_norm ? &norm : nullptr, options);
+      write.slot_mapping = make_view<const void*>(data(w.slots), DType::i64, {c.T});
+      if (check_only)
+        rope_and_cache_kv_check(*rotation, tables, q, k, write, c.use_norm ? &norm : nullptr);
+      else
+        rope_and_cache_kv(*rotation, tables, q, k, write, c.use_norm ? &norm : nullptr, options);
     }
   } catch (const Error& e) {
     o.ok = false;
     o.status = e.status();
     o.argument = e.argument();
-    if (std::string(e.what()).rfind("rome: ", 0) != 0) bug("message without 'rome: '");
+    o.message = e.what();
+    if (o.message.rfind("rome: ", 0) != 0) bug("message without 'rome: '");
   } catch (const std::exception& e) {
     bug(std::string("exception other than rome::Error: ") + e.what());
   }
   return o;
+}
+
+// Errors whose cause needs memory (pointers, aliasing, slot and position values) or the execution
+// options: the check functions, which read nothing and take no options, do not see them.
+bool needs_memory(const std::string& message) {
+  for (const char* cause : {"data pointer", "disjoint", "overlap", "options.", "slot_mapping[",
+                            "twice", "positions: expected values"})
+    if (message.find(cause) != std::string::npos) return true;
+  return false;
 }
 
 // Shows the fuzzer reaches successful calls of both passes as well as every error.
@@ -241,6 +262,13 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   if (want.ok != have.ok || want.status != have.status || want.argument != have.argument)
     bug("the scalar kernel and the active ISA disagree on the outcome: '" + want.argument +
         "' vs '" + have.argument + "'");
+  World unused = original;
+  const Outcome checked = call(c, unused, 1, /*check_only=*/true);
+  if (checked.ok && !want.ok && !needs_memory(want.message))
+    bug("the check accepted what the call refused: " + want.message);
+  if (!checked.ok && want.ok) bug("the check refused what the call ran: " + checked.message);
+  if (!checked.ok && !want.ok && checked.message != want.message && !needs_memory(want.message))
+    bug("the check and the call disagree: " + checked.message + " / " + want.message);
   g_stats.add(want.ok ? (c.use_cache ? (c.use_norm ? "ok cache+norm" : "ok cache") : "ok norm")
                       : "error " + want.argument);
   World untouched = original;

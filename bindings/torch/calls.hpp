@@ -13,7 +13,8 @@ namespace rome_torch {
 
 enum class Mode {
   run,    // CPU: rome::rope_forward
-  check,  // Meta: rome::rope_check (shapes, dtypes, strides; nothing read or written)
+  check,  // Meta: rome::rope_check and the fused passes' checks (shapes, dtypes, strides; nothing
+          // read or written)
 };
 
 struct Prepared {
@@ -59,6 +60,17 @@ void rotary_embedding_call(Mode mode, const Tensor& positions, const Tensor& que
                            const OptTensor& key, int64_t head_size, const Tensor& cos_sin_cache,
                            bool is_neox, int64_t rope_dim_offset, bool inverse);
 Tensor interleaved_call(Mode mode, const Tensor& x, const Tensor& freqs_cis);
+void fused_qk_norm_rope_call(Mode mode, const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+                             int64_t num_heads_v, int64_t head_dim, double eps,
+                             const Tensor& q_weight, const Tensor& k_weight,
+                             const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
+                             bool gemma_norm);
+void rotary_embedding_with_cache_call(Mode mode, const Tensor& positions, const Tensor& query,
+                                      const Tensor& key, const Tensor& value, int64_t head_size,
+                                      const Tensor& cos_sin_cache, bool is_neox,
+                                      const Tensor& key_cache, const Tensor& value_cache,
+                                      const Tensor& slot_mapping, const OptTensor& q_weight,
+                                      const OptTensor& k_weight, double eps, bool gemma_norm);
 
 // vLLM's layouts, also used by the fused ops.
 rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes,

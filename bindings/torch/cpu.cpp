@@ -60,51 +60,8 @@ void fused_qk_norm_rope_cpu(const Tensor& qkv, int64_t num_heads_q, int64_t num_
                             const Tensor& q_weight, const Tensor& k_weight,
                             const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
                             bool gemma_norm) {
-  guarded(
-      {{"q", "qkv"},
-       {"k", "qkv"},
-       {"q_out", "qkv"},
-       {"k_out", "qkv"},
-       {"cos", "cos_sin_cache"},
-       {"sin", "cos_sin_cache"},
-       {"positions", "position_ids"},
-       {"head_dim", "head_dim"}},
-      [&] {
-        if (head_dim <= 0 || num_heads_q <= 0 || num_heads_k <= 0 || num_heads_v < 0)
-          rome::fail(rome::Status::invalid_argument, "head_dim / num_heads",
-                     "positive head_dim, num_heads_q, num_heads_k and num_heads_v >= 0",
-                     std::to_string(head_dim) + ", " + std::to_string(num_heads_q) + ", " +
-                         std::to_string(num_heads_k) + ", " + std::to_string(num_heads_v));
-        const int64_t width = (num_heads_q + num_heads_k + num_heads_v) * head_dim;
-        if (qkv.dim() != 2 || qkv.size(1) != width)
-          rome::fail(rome::Status::invalid_argument, "qkv",
-                     "[T, (Hq + Hk + Hv) * head_dim] = [T, " + std::to_string(width) + "]",
-                     shape_of(qkv));
-        if (position_ids.dim() != 1)
-          rome::fail(rome::Status::invalid_argument, "position_ids", "[T]", shape_of(position_ids));
-        const rome::Tables tables =
-            vllm_tables(position_ids, cos_sin_cache, is_neox, head_dim, "head_dim");
-        const rome::Rotation rotation = vllm_rotation(cos_sin_cache.size(1), head_dim, is_neox);
-        const rome::TensorView whole = mutable_view(qkv, "qkv");
-        auto heads = [&](int64_t first, int64_t count) {
-          rome::TensorView v = whole;
-          v.data =
-              static_cast<char*>(v.data) + first * head_dim * whole.strides[1] * qkv.element_size();
-          v.rank = 3;
-          v.shape[1] = count;
-          v.strides[1] = head_dim * whole.strides[1];
-          v.shape[2] = head_dim;
-          v.strides[2] = whole.strides[1];
-          return v;
-        };
-        rome::QkNorm norm;
-        norm.q_weight = const_view(q_weight, "q_weight", false);
-        norm.k_weight = const_view(k_weight, "k_weight", false);
-        norm.eps = float(eps);
-        norm.unit_offset = gemma_norm;
-        rome::qk_norm_rope(rotation, tables, norm, heads(0, num_heads_q),
-                           heads(num_heads_q, num_heads_k), exec_options());
-      });
+  fused_qk_norm_rope_call(Mode::run, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
+                          q_weight, k_weight, cos_sin_cache, is_neox, position_ids, gemma_norm);
 }
 
 void rotary_embedding_with_cache_cpu(const Tensor& positions, const Tensor& query,
@@ -113,44 +70,9 @@ void rotary_embedding_with_cache_cpu(const Tensor& positions, const Tensor& quer
                                      const Tensor& key_cache, const Tensor& value_cache,
                                      const Tensor& slot_mapping, const OptTensor& q_weight,
                                      const OptTensor& k_weight, double eps, bool gemma_norm) {
-  guarded({{"q", "query"},
-           {"q_out", "query"},
-           {"k", "key"},
-           {"k_out", "key"},
-           {"cos", "cos_sin_cache"},
-           {"sin", "cos_sin_cache"},
-           {"head_dim", "head_size"}},
-          [&] {
-            if (head_size <= 0)
-              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
-                         std::to_string(head_size));
-            if (positions.dim() != 1)
-              rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
-            const rome::Tables tables =
-                vllm_tables(positions, cos_sin_cache, is_neox, head_size, "head_size");
-            const rome::Rotation rotation =
-                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox);
-            const rome::TensorView q = vllm_view(query, "query", 1, head_size);
-            const rome::TensorView k = vllm_view(key, "key", 1, head_size);
-            const rome::TensorView v = vllm_view(value, "value", 1, head_size);
-            if (has(q_weight) != has(k_weight))
-              rome::fail(rome::Status::invalid_argument, has(q_weight) ? "k_weight" : "q_weight",
-                         "a tensor when the other weight is given (QK-norm)", "None");
-            rome::PagedKvWrite write;
-            write.value = rome::as_const(v);
-            write.key_cache = mutable_view(key_cache, "key_cache");
-            write.value_cache = mutable_view(value_cache, "value_cache");
-            write.slot_mapping = const_view(slot_mapping, "slot_mapping", true);
-            rome::QkNorm norm;
-            if (has(q_weight)) {
-              norm.q_weight = const_view(*q_weight, "q_weight", false);
-              norm.k_weight = const_view(*k_weight, "k_weight", false);
-              norm.eps = float(eps);
-              norm.unit_offset = gemma_norm;
-            }
-            rome::rope_and_cache_kv(rotation, tables, q, k, write, has(q_weight) ? &norm : nullptr,
-                                    exec_options());
-          });
+  rotary_embedding_with_cache_call(Mode::run, positions, query, key, value, head_size,
+                                   cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
+                                   q_weight, k_weight, eps, gemma_norm);
 }
 
 void rerotate_paged_cpu(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,

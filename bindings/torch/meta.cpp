@@ -1,8 +1,8 @@
 // Meta kernels of the rome:: operators: fresh outputs with the CPU kernels' shapes, dtypes and
-// strides. The rope family, the matrix ops, rotary_embedding and the interleaved op also check
-// their arguments as the CPU kernels do (calls.hpp, Mode::check), so torch.compile refuses while
-// tracing what the CPU kernel would refuse, with the same message; with symbolic shapes
-// (dynamic=True) that check is left to the CPU kernel at run time.
+// strides. The rope family, the matrix ops, rotary_embedding, the interleaved op and the fused
+// passes also check their arguments as the CPU kernels do (calls.hpp, Mode::check), so
+// torch.compile refuses while tracing what the CPU kernel would refuse, with the same message;
+// with symbolic shapes (dynamic=True) that check is left to the CPU kernel at run time.
 #include "calls.hpp"
 #include "dispatch.hpp"
 
@@ -143,32 +143,43 @@ void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const O
                           rope_dim_offset, inverse);
 }
 
-void fused_qk_norm_rope_meta(const Tensor& qkv, int64_t, int64_t, int64_t, int64_t, double,
+void fused_qk_norm_rope_meta(const Tensor& qkv, int64_t num_heads_q, int64_t num_heads_k,
+                             int64_t num_heads_v, int64_t head_dim, double eps,
                              const Tensor& q_weight, const Tensor& k_weight,
-                             const Tensor& cos_sin_cache, bool, const Tensor& position_ids, bool) {
-  require_all_meta({{"qkv", &qkv},
-                    {"q_weight", &q_weight},
-                    {"k_weight", &k_weight},
-                    {"cos_sin_cache", &cos_sin_cache},
-                    {"position_ids", &position_ids}});
+                             const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
+                             bool gemma_norm) {
+  const NamedTensors tensors = {{"qkv", &qkv},
+                                {"q_weight", &q_weight},
+                                {"k_weight", &k_weight},
+                                {"cos_sin_cache", &cos_sin_cache},
+                                {"position_ids", &position_ids}};
+  require_all_meta(tensors);
+  if (concrete(tensors))
+    fused_qk_norm_rope_call(Mode::check, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
+                            q_weight, k_weight, cos_sin_cache, is_neox, position_ids, gemma_norm);
 }
 
 void rotary_embedding_with_cache_meta(const Tensor& positions, const Tensor& query,
-                                      const Tensor& key, const Tensor& value, int64_t,
-                                      const Tensor& cos_sin_cache, bool, const Tensor& key_cache,
-                                      const Tensor& value_cache, const Tensor& slot_mapping,
-                                      const OptTensor& q_weight, const OptTensor& k_weight, double,
-                                      bool) {
-  require_all_meta({{"positions", &positions},
-                    {"query", &query},
-                    {"key", &key},
-                    {"value", &value},
-                    {"cos_sin_cache", &cos_sin_cache},
-                    {"key_cache", &key_cache},
-                    {"value_cache", &value_cache},
-                    {"slot_mapping", &slot_mapping},
-                    {"q_weight", opt(q_weight)},
-                    {"k_weight", opt(k_weight)}});
+                                      const Tensor& key, const Tensor& value, int64_t head_size,
+                                      const Tensor& cos_sin_cache, bool is_neox,
+                                      const Tensor& key_cache, const Tensor& value_cache,
+                                      const Tensor& slot_mapping, const OptTensor& q_weight,
+                                      const OptTensor& k_weight, double eps, bool gemma_norm) {
+  const NamedTensors tensors = {{"positions", &positions},
+                                {"query", &query},
+                                {"key", &key},
+                                {"value", &value},
+                                {"cos_sin_cache", &cos_sin_cache},
+                                {"key_cache", &key_cache},
+                                {"value_cache", &value_cache},
+                                {"slot_mapping", &slot_mapping},
+                                {"q_weight", opt(q_weight)},
+                                {"k_weight", opt(k_weight)}};
+  require_all_meta(tensors);
+  if (concrete(tensors))
+    rotary_embedding_with_cache_call(Mode::check, positions, query, key, value, head_size,
+                                     cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
+                                     q_weight, k_weight, eps, gemma_norm);
 }
 
 void rerotate_paged_meta(const Tensor& key_cache, const Tensor& cos, const Tensor& sin,

@@ -44,4 +44,13 @@ void rope_and_cache_kv(const Rotation& rotation, const Tables& tables, const Ten
                        const TensorView& k, const PagedKvWrite& cache, const QkNorm* norm = nullptr,
                        const ExecOptions& options = {});
 
+// The checks of qk_norm_rope and rope_and_cache_kv from shapes, dtypes and strides alone, as
+// rope_check does for rope_forward: data pointers may be null and nothing is read, so weight and
+// slot values, null pointers and aliasing are left to the call.
+void qk_norm_rope_check(const Rotation& rotation, const Tables& tables, const QkNorm& norm,
+                        const TensorView& q, const TensorView& k);
+void rope_and_cache_kv_check(const Rotation& rotation, const Tables& tables, const TensorView& q,
+                             const TensorView& k, const PagedKvWrite& cache,
+                             const QkNorm* norm = nullptr);
+
 }  // namespace rome

@@ -46,8 +46,9 @@ std::vector<float> weight_values(const std::string& name, const ConstTensorView&
   if (!is_floating(w.dtype))
     fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
          dtype_name(w.dtype));
-  if (head_dim > 0 && !w.data) fail(Status::invalid_argument, name, "a data pointer", "null");
   std::vector<float> out(static_cast<std::size_t>(head_dim));
+  if (detail::metadata_only()) return out;  // no values to read
+  if (head_dim > 0 && !w.data) fail(Status::invalid_argument, name, "a data pointer", "null");
   for (int64_t j = 0; j < head_dim; ++j) {
     const float v = detail::load_any(w.data, w.dtype, j * w.strides[0]);
     out[std::size_t(j)] = unit_offset ? 1.0f + v : v;
@@ -61,11 +62,15 @@ int64_t load_slot(const ConstTensorView& s, int64_t t) {
                                : static_cast<const std::int64_t*>(s.data)[off];
 }
 
+// check_only: validation from shapes, dtypes and strides (under detail::MetadataOnly), then
+// return; no slot or weight value is read.
 void run_fused(const Rotation& rotation, const Tables& tables, const TensorView& q,
                const TensorView& k, const QkNorm* norm, const PagedKvWrite* kv,
-               const ExecOptions& options) {
-  detail::check_environment();
-  detail::check_options(options);
+               const ExecOptions& options, bool check_only = false) {
+  if (!check_only) {
+    detail::check_environment();
+    detail::check_options(options);
+  }
   if (rotation.kind() != Rotation::Kind::signed_permutation)
     fail(Status::unsupported, "rotation", "a signed permutation (fused passes have no matrix path)",
          "a dense rotation");
@@ -134,11 +139,12 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
            "rank " + to_string(sm.rank) + " " + shape_string(sm));
     if (sm.dtype != DType::i32 && sm.dtype != DType::i64)
       fail(Status::invalid_argument, "slot_mapping.dtype", "int32 or int64", dtype_name(sm.dtype));
-    if (tokens > 0 && !sm.data)
+    const bool values = !detail::metadata_only();
+    if (values && tokens > 0 && !sm.data)
       fail(Status::invalid_argument, "slot_mapping", "a data pointer", "null");
     std::vector<int64_t> used;
     used.reserve(std::size_t(tokens));
-    for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t t = 0; values && t < tokens; ++t) {
       const int64_t s = load_slot(sm, t);
       if (s < -1 || s >= slots)
         fail(Status::out_of_range, "slot_mapping[" + to_string(t) + "]",
@@ -170,10 +176,11 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
     }
     detail::require_disjoint_views(kv->value_cache, "value_cache", cview(kv->key_cache),
                                    "key_cache");
-    if (detail::views_may_overlap(cview(q), kv->value) ||
-        detail::views_may_overlap(cview(k), kv->value))
+    if (values && (detail::views_may_overlap(cview(q), kv->value) ||
+                   detail::views_may_overlap(cview(k), kv->value)))
       fail(Status::invalid_argument, "value", "memory disjoint from q and k", "an overlap");
   }
+  if (check_only) return;
   if (tokens == 0 || plan.outer_total == 0) return;
 
   const kernels::KernelTable& table = detail::active_kernels();
@@ -263,6 +270,18 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
 }
 
 }  // namespace
+
+void qk_norm_rope_check(const Rotation& rotation, const Tables& tables, const QkNorm& norm,
+                        const TensorView& q, const TensorView& k) {
+  const detail::MetadataOnly metadata_only;
+  run_fused(rotation, tables, q, k, &norm, nullptr, {}, /*check_only=*/true);
+}
+
+void rope_and_cache_kv_check(const Rotation& rotation, const Tables& tables, const TensorView& q,
+                             const TensorView& k, const PagedKvWrite& cache, const QkNorm* norm) {
+  const detail::MetadataOnly metadata_only;
+  run_fused(rotation, tables, q, k, norm, &cache, {}, /*check_only=*/true);
+}
 
 void qk_norm_rope(const Rotation& rotation, const Tables& tables, const QkNorm& norm,
                   const TensorView& q, const TensorView& k, const ExecOptions& options) {

@@ -966,6 +966,10 @@ bool views_may_overlap(const ConstTensorView& a, const ConstTensorView& b) {
   return may_overlap(a, b, dtype_size(a.dtype));
 }
 
+bool metadata_only() noexcept {
+  return t_metadata_only;
+}
+
 MetadataOnly::MetadataOnly() : previous_(t_metadata_only) {
   t_metadata_only = true;
 }

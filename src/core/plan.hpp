@@ -93,6 +93,9 @@ class MetadataOnly {
   bool previous_;
 };
 
+// Whether a MetadataOnly is alive on this thread.
+bool metadata_only() noexcept;
+
 // q_written = false: q.out is ignored (backward without dx).
 ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,
                          const Operand* k, bool q_written = true);

@@ -105,9 +105,25 @@ def test_fused_errors_write_nothing(isa):
                 q_weight=w, k_weight=w, cos_sin_cache=cache, is_neox=True,
                 position_ids=torch.tensor([0, 1, 2]))
     for change, argument in bad:
-        with pytest.raises((ValueError, IndexError), match=f"rome: {argument}"):
+        with pytest.raises((ValueError, IndexError), match=f"rome: {argument}") as cpu:
             rome.ops.fused_qk_norm_rope(**{**base, **change})
         assert torch.equal(qkv, before)
+        if argument != "position_ids":  # a value: the Meta kernel checks shapes only
+            expect_same_error_on_meta(torch.ops.rome.fused_qk_norm_rope, {**base, **change}, cpu)
+
+
+def on_meta(x):
+    if not isinstance(x, torch.Tensor):
+        return x
+    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
+
+
+def expect_same_error_on_meta(op, kwargs, cpu):
+    """The Meta kernel refuses the call with the CPU kernel's error (the same checking code), so
+    torch.compile refuses it while tracing."""
+    with pytest.raises(cpu.type) as meta:
+        op(**{k: on_meta(v) for k, v in kwargs.items()})
+    assert str(meta.value) == str(cpu.value)
 
 
 def test_fused_opcheck_and_compile(isa):
@@ -219,11 +235,15 @@ def test_rope_with_cache_errors_write_nothing(isa):
         (dict(positions=torch.tensor([0, 1, 2, 8])), "positions"),
         (dict(q_weight=torch.ones(D)), "k_weight"),
     ]
-    for change, argument in bad:
-        with pytest.raises((ValueError, IndexError), match=f"rome: {argument}"):
+    values = {r"slot_mapping\[2\]", "positions"}  # value errors: left to the CPU kernel
+    for i, (change, argument) in enumerate(bad):
+        with pytest.raises((ValueError, IndexError), match=f"rome: {argument}") as cpu:
             rome.ops.rotary_embedding_with_cache(**{**base, **change})
         for k, v in snapshot.items():
             assert torch.equal(base[k], v), (argument, k)
+        if argument not in values and i != 1:  # i == 1: a slot named twice, also a value
+            expect_same_error_on_meta(torch.ops.rome.rotary_embedding_with_cache,
+                                      {**base, **change}, cpu)
 
 
 @settings(max_examples=40, deadline=None, derandomize=True, database=None)
