@@ -265,7 +265,8 @@ ROME_INLINE void rows_single(const Work& w, const ForwardTile& tile) {
 // into their even lanes (shifted up) and odd lanes (masked), and the tables come in that order
 // (TableLayout::even_odd_16). Interleave pairs an even lane with the odd lane beside it; half
 // and quarter pair chunk c with chunk c ^ K. The outputs are rounded as Bf16::narrow does and
-// merged back by a shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle.
+// merged back by a shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle (the
+// splitting and rounding helpers are in avx2_lanes.hpp, shared with the QK-norm kernel).
 template <bool kStream>
 ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w) {
   if constexpr (kStream)
