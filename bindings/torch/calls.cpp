@@ -385,4 +385,43 @@ void rotary_embedding_with_cache_call(Mode mode, const Tensor& positions, const 
           });
 }
 
+FromPositions prepare_from_positions(const Tensor& q, const Tensor& positions,
+                                     const Tensor& inv_freq, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                     c10::IntArrayRef column_axis, bool inverse,
+                                     const char* q_name) {
+  FromPositions p;
+  const int64_t hd = head_dim_of(q, q_name);
+  p.rotation = build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, std::nullopt,
+                              std::nullopt, "mat_b");
+  p.tables =
+      table_free_tables(positions, inv_freq, amplitude, to_vec(column_axis), q.sizes(), inverse);
+  return p;
+}
+
+std::tuple<Tensor, Tensor> rope_from_positions_call(Mode mode, const Tensor& q, const OptTensor& k,
+                                                    const Tensor& positions, const Tensor& inv_freq,
+                                                    c10::string_view rotation,
+                                                    c10::IntArrayRef blocks, int64_t rotary_dim,
+                                                    double amplitude, c10::IntArrayRef column_axis,
+                                                    bool inverse) {
+  return guarded(kFromPositionsNames, [&] {
+    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
+                                                   rotary_dim, amplitude, column_axis, inverse);
+    return forward_out_of_place(mode, *p.rotation, p.tables.tables, q, k);
+  });
+}
+
+void rope_from_positions_inplace_call(Mode mode, const Tensor& q, const OptTensor& k,
+                                      const Tensor& positions, const Tensor& inv_freq,
+                                      c10::string_view rotation, c10::IntArrayRef blocks,
+                                      int64_t rotary_dim, double amplitude,
+                                      c10::IntArrayRef column_axis, bool inverse) {
+  guarded(kFromPositionsNames, [&] {
+    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
+                                                   rotary_dim, amplitude, column_axis, inverse);
+    forward_in_place(mode, *p.rotation, p.tables.tables, q, k);
+  });
+}
+
 }  // namespace rome_torch

@@ -72,6 +72,34 @@ void rotary_embedding_with_cache_call(Mode mode, const Tensor& positions, const 
                                       const Tensor& slot_mapping, const OptTensor& q_weight,
                                       const OptTensor& k_weight, double eps, bool gemma_norm);
 
+// Table-free RoPE (rope_from_positions and its backward).
+constexpr Renames kFromPositionsNames = {{"tables.frequencies", "inv_freq"},
+                                         {"tables.amplitude", "amplitude"},
+                                         {"tables.column_axis", "column_axis"},
+                                         {"dim", "rotary_dim"},
+                                         {"head_dim", "q"}};
+
+struct FromPositions {
+  std::optional<rome::Rotation> rotation;
+  PreparedTables tables;
+};
+FromPositions prepare_from_positions(const Tensor& q, const Tensor& positions,
+                                     const Tensor& inv_freq, c10::string_view rotation,
+                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                     c10::IntArrayRef column_axis, bool inverse,
+                                     const char* q_name = "q");
+std::tuple<Tensor, Tensor> rope_from_positions_call(Mode mode, const Tensor& q, const OptTensor& k,
+                                                    const Tensor& positions, const Tensor& inv_freq,
+                                                    c10::string_view rotation,
+                                                    c10::IntArrayRef blocks, int64_t rotary_dim,
+                                                    double amplitude, c10::IntArrayRef column_axis,
+                                                    bool inverse);
+void rope_from_positions_inplace_call(Mode mode, const Tensor& q, const OptTensor& k,
+                                      const Tensor& positions, const Tensor& inv_freq,
+                                      c10::string_view rotation, c10::IntArrayRef blocks,
+                                      int64_t rotary_dim, double amplitude,
+                                      c10::IntArrayRef column_axis, bool inverse);
+
 // vLLM's layouts, also used by the fused ops.
 rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes,
                            int64_t head_size);

@@ -380,6 +380,12 @@ std::vector<double> frequencies_of(const Tensor& inv_freq, const Tensor& positio
   if (inv_freq.device() != positions.device())
     rome::fail(rome::Status::invalid_argument, "inv_freq.device",
                positions.device().str() + " (the device of positions)", inv_freq.device().str());
+  if (inv_freq.is_meta()) {  // no values (the Meta kernels check shapes only): any finite ones
+    if (inv_freq.numel() == 0)
+      rome::fail(rome::Status::invalid_argument, "inv_freq",
+                 "at least one frequency (one per lane pair)", shape_of(inv_freq));
+    return std::vector<double>(std::size_t(inv_freq.numel()), 1.0);
+  }
   // Read in place when fp32/fp64 (a .to(kDouble) costs several microseconds: a decode step).
   auto widen = [&](const auto* f, int64_t step) {
     std::vector<double> out(std::size_t(inv_freq.numel()));

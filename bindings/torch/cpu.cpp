@@ -109,53 +109,22 @@ void rerotate_paged_cpu(const Tensor& key_cache, const Tensor& cos, const Tensor
 
 // Table-free RoPE: cos/sin from positions × inv_freq inside the kernel's token tiles.
 
-constexpr Renames kFromPositionsNames = {{"tables.frequencies", "inv_freq"},
-                                         {"tables.amplitude", "amplitude"},
-                                         {"tables.column_axis", "column_axis"},
-                                         {"dim", "rotary_dim"},
-                                         {"head_dim", "q"}};
-
-struct FromPositions {
-  std::optional<rome::Rotation> rotation;
-  PreparedTables tables;
-};
-
-FromPositions prepare_from_positions(const Tensor& q, const Tensor& positions,
-                                     const Tensor& inv_freq, c10::string_view rotation,
-                                     c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
-                                     c10::IntArrayRef column_axis, bool inverse,
-                                     const char* q_name = "q") {
-  FromPositions p;
-  const int64_t hd = head_dim_of(q, q_name);
-  p.rotation = build_rotation(std::string(rotation), to_vec(blocks), rotary_dim, hd, std::nullopt,
-                              std::nullopt, "mat_b");
-  p.tables =
-      table_free_tables(positions, inv_freq, amplitude, to_vec(column_axis), q.sizes(), inverse);
-  return p;
-}
-
 std::tuple<Tensor, Tensor> rope_from_positions_cpu(const Tensor& q, const OptTensor& k,
                                                    const Tensor& positions, const Tensor& inv_freq,
                                                    c10::string_view rotation,
                                                    c10::IntArrayRef blocks, int64_t rotary_dim,
                                                    double amplitude, c10::IntArrayRef column_axis,
                                                    bool inverse) {
-  return guarded(kFromPositionsNames, [&] {
-    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
-                                                   rotary_dim, amplitude, column_axis, inverse);
-    return forward_out_of_place(Mode::run, *p.rotation, p.tables.tables, q, k);
-  });
+  return rope_from_positions_call(Mode::run, q, k, positions, inv_freq, rotation, blocks,
+                                  rotary_dim, amplitude, column_axis, inverse);
 }
 
 void rope_from_positions_inplace_cpu(const Tensor& q, const OptTensor& k, const Tensor& positions,
                                      const Tensor& inv_freq, c10::string_view rotation,
                                      c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
                                      c10::IntArrayRef column_axis, bool inverse) {
-  guarded(kFromPositionsNames, [&] {
-    const FromPositions p = prepare_from_positions(q, positions, inv_freq, rotation, blocks,
-                                                   rotary_dim, amplitude, column_axis, inverse);
-    forward_in_place(Mode::run, *p.rotation, p.tables.tables, q, k);
-  });
+  rope_from_positions_inplace_call(Mode::run, q, k, positions, inv_freq, rotation, blocks,
+                                   rotary_dim, amplitude, column_axis, inverse);
 }
 
 // dq, dk: the transposed rotation of the gradients (rotation by −θ for every standard RoPE).

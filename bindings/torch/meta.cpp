@@ -1,8 +1,9 @@
 // Meta kernels of the rome:: operators: fresh outputs with the CPU kernels' shapes, dtypes and
-// strides. The rope family, the matrix ops, rotary_embedding, the interleaved op and the fused
-// passes also check their arguments as the CPU kernels do (calls.hpp, Mode::check), so
-// torch.compile refuses while tracing what the CPU kernel would refuse, with the same message;
-// with symbolic shapes (dynamic=True) that check is left to the CPU kernel at run time.
+// strides. The rope family, the matrix ops, rotary_embedding, the interleaved op, the fused
+// passes and table-free RoPE also check their arguments as the CPU kernels do (calls.hpp,
+// Mode::check), so torch.compile refuses while tracing what the CPU kernel would refuse, with the
+// same message; with symbolic shapes (dynamic=True) that check is left to the CPU kernel at run
+// time.
 #include "calls.hpp"
 #include "dispatch.hpp"
 
@@ -94,10 +95,29 @@ void rope_out_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const
 
 std::tuple<Tensor, Tensor> rope_from_positions_meta(const Tensor& q, const OptTensor& k,
                                                     const Tensor& positions, const Tensor& inv_freq,
-                                                    c10::string_view, c10::IntArrayRef, int64_t,
-                                                    double, c10::IntArrayRef, bool) {
-  require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
+                                                    c10::string_view rotation,
+                                                    c10::IntArrayRef blocks, int64_t rotary_dim,
+                                                    double amplitude, c10::IntArrayRef column_axis,
+                                                    bool inverse) {
+  const NamedTensors tensors = {
+      {"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}};
+  require_all_meta(tensors);
+  if (concrete(tensors))
+    return rope_from_positions_call(Mode::check, q, k, positions, inv_freq, rotation, blocks,
+                                    rotary_dim, amplitude, column_axis, inverse);
   return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
+}
+
+// The backward's gradients take the shapes of grad_q and grad_k (not checked here).
+std::tuple<Tensor, Tensor> rope_from_positions_backward_meta(
+    const Tensor& grad_q, const OptTensor& grad_k, const Tensor& positions, const Tensor& inv_freq,
+    c10::string_view, c10::IntArrayRef, int64_t, double, c10::IntArrayRef, bool) {
+  require_all_meta({{"grad_q", &grad_q},
+                    {"grad_k", opt(grad_k)},
+                    {"positions", &positions},
+                    {"inv_freq", &inv_freq}});
+  return std::make_tuple(alloc_like(grad_q),
+                         has(grad_k) ? alloc_like(*grad_k) : empty_marker(grad_q));
 }
 
 std::tuple<Tensor, Tensor> cos_sin_meta(const Tensor& positions, const Tensor& inv_freq,
@@ -111,9 +131,15 @@ std::tuple<Tensor, Tensor> cos_sin_meta(const Tensor& positions, const Tensor& i
 }
 
 void rope_from_positions_inplace_meta(const Tensor& q, const OptTensor& k, const Tensor& positions,
-                                      const Tensor& inv_freq, c10::string_view, c10::IntArrayRef,
-                                      int64_t, double, c10::IntArrayRef, bool) {
-  require_all_meta({{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}});
+                                      const Tensor& inv_freq, c10::string_view rotation,
+                                      c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
+                                      c10::IntArrayRef column_axis, bool inverse) {
+  const NamedTensors tensors = {
+      {"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}};
+  require_all_meta(tensors);
+  if (concrete(tensors))
+    rope_from_positions_inplace_call(Mode::check, q, k, positions, inv_freq, rotation, blocks,
+                                     rotary_dim, amplitude, column_axis, inverse);
 }
 
 Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
@@ -239,7 +265,7 @@ TORCH_LIBRARY_IMPL(rome, Meta, m) {
   m.impl("rope_from_positions", rope_from_positions_meta);
   m.impl("cos_sin", cos_sin_meta);
   m.impl("rope_from_positions_", rope_from_positions_inplace_meta);
-  m.impl("_rope_from_positions_backward", rope_from_positions_meta);
+  m.impl("_rope_from_positions_backward", rope_from_positions_backward_meta);
 }
 
 }  // namespace rome_torch

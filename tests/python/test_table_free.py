@@ -231,13 +231,21 @@ def test_bad_input_raises_and_writes_nothing(isa):
         (dict(column_axis=[7] * 32), "column_axis"),  # positions [6] read as 6 axes: 7 is past them
         (dict(column_axis=[0] * 31), "column_axis"),
     ]
-    for change, name in cases:
+    # Values (NaN / inf frequencies, a position past the exact range) need memory: the Meta
+    # kernel checks shapes, dtypes and strides only.
+    values = {1, 2, 6}
+    on_meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+    for i, (change, name) in enumerate(cases):
         args = dict(positions=pos, inv_freq=inv)
         args.update(change)
         p, f = args.pop("positions"), args.pop("inv_freq")
-        with pytest.raises((ValueError, IndexError), match=f"rome: {name}"):
+        with pytest.raises((ValueError, IndexError), match=f"rome: {name}") as cpu:
             rome.ops.rope_from_positions_(q, None, p, f, **args)
         assert torch.equal(q, q0), change
+        if i not in values:  # the same error from the Meta kernel (the same checking code)
+            with pytest.raises(cpu.type) as meta:
+                rome.ops.rope_from_positions_(on_meta(q), None, on_meta(p), on_meta(f), **args)
+            assert str(meta.value) == str(cpu.value), change
 
 
 def _rank_main(rank, world, port, result_path):
