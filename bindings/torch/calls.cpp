@@ -211,40 +211,42 @@ rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox, int64_
                         std::nullopt, "mat_b", offset);
 }
 
+// vLLM's ops name q, k and the tables query, key and cos_sin_cache, and the head size head_size.
+constexpr Renames kVllmNames = {
+    {"q", "query"},           {"q_out", "query"},       {"k", "key"},
+    {"k_out", "key"},         {"cos", "cos_sin_cache"}, {"sin", "cos_sin_cache"},
+    {"head_dim", "head_size"}};
+
+static void require_positive_head_size(int64_t head_size) {
+  if (head_size <= 0)
+    rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
+               std::to_string(head_size));
+}
+
 void rotary_embedding_call(Mode mode, const Tensor& positions, const Tensor& query,
                            const OptTensor& key, int64_t head_size, const Tensor& cos_sin_cache,
                            bool is_neox, int64_t rope_dim_offset, bool inverse) {
-  guarded({{"q", "query"},
-           {"q_out", "query"},
-           {"k", "key"},
-           {"k_out", "key"},
-           {"cos", "cos_sin_cache"},
-           {"sin", "cos_sin_cache"},
-           {"head_dim", "head_size"}},
-          [&] {
-            if (head_size <= 0)
-              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
-                         std::to_string(head_size));
-            if (rope_dim_offset < 0 || rope_dim_offset > head_size)
-              rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
-                         "an offset in [0, head_size " + std::to_string(head_size) + "]",
-                         std::to_string(rope_dim_offset));
-            rome::Tables tables =
-                vllm_tables(positions, cos_sin_cache, is_neox, head_size - rope_dim_offset,
-                            "head_size - rope_dim_offset");
-            tables.inverse = inverse;
-            const rome::Rotation rotation =
-                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox, rope_dim_offset);
-            const int64_t token_axes = positions.dim();
-            const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
-            const rome::Operand oq{rome::as_const(qv), qv};
-            rome::Operand ok;
-            if (has(key)) {
-              const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
-              ok = {rome::as_const(kv), kv};
-            }
-            forward(mode, rotation, tables, oq, has(key) ? &ok : nullptr);
-          });
+  guarded(kVllmNames, [&] {
+    require_positive_head_size(head_size);
+    if (rope_dim_offset < 0 || rope_dim_offset > head_size)
+      rome::fail(rome::Status::invalid_argument, "rope_dim_offset",
+                 "an offset in [0, head_size " + std::to_string(head_size) + "]",
+                 std::to_string(rope_dim_offset));
+    rome::Tables tables = vllm_tables(positions, cos_sin_cache, is_neox,
+                                      head_size - rope_dim_offset, "head_size - rope_dim_offset");
+    tables.inverse = inverse;
+    const rome::Rotation rotation =
+        vllm_rotation(cos_sin_cache.size(1), head_size, is_neox, rope_dim_offset);
+    const int64_t token_axes = positions.dim();
+    const rome::TensorView qv = vllm_view(query, "query", token_axes, head_size);
+    const rome::Operand oq{rome::as_const(qv), qv};
+    rome::Operand ok;
+    if (has(key)) {
+      const rome::TensorView kv = vllm_view(*key, "key", token_axes, head_size);
+      ok = {rome::as_const(kv), kv};
+    }
+    forward(mode, rotation, tables, oq, has(key) ? &ok : nullptr);
+  });
 }
 
 // ExecuTorch: x [B, N, C], freqs_cis with N*C elements (see interleaved_tables).
@@ -341,48 +343,37 @@ void rotary_embedding_with_cache_call(Mode mode, const Tensor& positions, const 
                                       const Tensor& key_cache, const Tensor& value_cache,
                                       const Tensor& slot_mapping, const OptTensor& q_weight,
                                       const OptTensor& k_weight, double eps, bool gemma_norm) {
-  guarded({{"q", "query"},
-           {"q_out", "query"},
-           {"k", "key"},
-           {"k_out", "key"},
-           {"cos", "cos_sin_cache"},
-           {"sin", "cos_sin_cache"},
-           {"head_dim", "head_size"}},
-          [&] {
-            if (head_size <= 0)
-              rome::fail(rome::Status::invalid_argument, "head_size", "a positive size",
-                         std::to_string(head_size));
-            if (positions.dim() != 1)
-              rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
-            const rome::Tables tables =
-                vllm_tables(positions, cos_sin_cache, is_neox, head_size, "head_size");
-            const rome::Rotation rotation =
-                vllm_rotation(cos_sin_cache.size(1), head_size, is_neox);
-            const rome::TensorView q = vllm_view(query, "query", 1, head_size);
-            const rome::TensorView k = vllm_view(key, "key", 1, head_size);
-            const rome::TensorView v = vllm_view(value, "value", 1, head_size);
-            if (has(q_weight) != has(k_weight))
-              rome::fail(rome::Status::invalid_argument, has(q_weight) ? "k_weight" : "q_weight",
-                         "a tensor when the other weight is given (QK-norm)", "None");
-            rome::PagedKvWrite write;
-            write.value = rome::as_const(v);
-            write.key_cache = mutable_view(key_cache, "key_cache");
-            write.value_cache = mutable_view(value_cache, "value_cache");
-            write.slot_mapping = const_view(slot_mapping, "slot_mapping", true);
-            rome::QkNorm norm;
-            if (has(q_weight)) {
-              norm.q_weight = const_view(*q_weight, "q_weight", false);
-              norm.k_weight = const_view(*k_weight, "k_weight", false);
-              norm.eps = float(eps);
-              norm.unit_offset = gemma_norm;
-            }
-            if (mode == Mode::run)
-              rome::rope_and_cache_kv(rotation, tables, q, k, write,
-                                      has(q_weight) ? &norm : nullptr, exec_options());
-            else
-              rome::rope_and_cache_kv_check(rotation, tables, q, k, write,
-                                            has(q_weight) ? &norm : nullptr);
-          });
+  guarded(kVllmNames, [&] {
+    require_positive_head_size(head_size);
+    if (positions.dim() != 1)
+      rome::fail(rome::Status::invalid_argument, "positions", "[T]", shape_of(positions));
+    const rome::Tables tables =
+        vllm_tables(positions, cos_sin_cache, is_neox, head_size, "head_size");
+    const rome::Rotation rotation = vllm_rotation(cos_sin_cache.size(1), head_size, is_neox);
+    const rome::TensorView q = vllm_view(query, "query", 1, head_size);
+    const rome::TensorView k = vllm_view(key, "key", 1, head_size);
+    const rome::TensorView v = vllm_view(value, "value", 1, head_size);
+    if (has(q_weight) != has(k_weight))
+      rome::fail(rome::Status::invalid_argument, has(q_weight) ? "k_weight" : "q_weight",
+                 "a tensor when the other weight is given (QK-norm)", "None");
+    rome::PagedKvWrite write;
+    write.value = rome::as_const(v);
+    write.key_cache = mutable_view(key_cache, "key_cache");
+    write.value_cache = mutable_view(value_cache, "value_cache");
+    write.slot_mapping = const_view(slot_mapping, "slot_mapping", true);
+    rome::QkNorm norm;
+    if (has(q_weight)) {
+      norm.q_weight = const_view(*q_weight, "q_weight", false);
+      norm.k_weight = const_view(*k_weight, "k_weight", false);
+      norm.eps = float(eps);
+      norm.unit_offset = gemma_norm;
+    }
+    if (mode == Mode::run)
+      rome::rope_and_cache_kv(rotation, tables, q, k, write, has(q_weight) ? &norm : nullptr,
+                              exec_options());
+    else
+      rome::rope_and_cache_kv_check(rotation, tables, q, k, write, has(q_weight) ? &norm : nullptr);
+  });
 }
 
 FromPositions prepare_from_positions(const Tensor& q, const Tensor& positions,

@@ -62,11 +62,12 @@ int64_t load_slot(const ConstTensorView& s, int64_t t) {
                                : static_cast<const std::int64_t*>(s.data)[off];
 }
 
-// check_only: validation from shapes, dtypes and strides (under detail::MetadataOnly), then
-// return; no slot or weight value is read.
+// Under detail::MetadataOnly (the _check functions): validation from shapes, dtypes and strides,
+// then return; no slot or weight value is read.
 void run_fused(const Rotation& rotation, const Tables& tables, const TensorView& q,
                const TensorView& k, const QkNorm* norm, const PagedKvWrite* kv,
-               const ExecOptions& options, bool check_only = false) {
+               const ExecOptions& options) {
+  const bool check_only = detail::metadata_only();
   if (!check_only) {
     detail::check_environment();
     detail::check_options(options);
@@ -139,12 +140,11 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
            "rank " + to_string(sm.rank) + " " + shape_string(sm));
     if (sm.dtype != DType::i32 && sm.dtype != DType::i64)
       fail(Status::invalid_argument, "slot_mapping.dtype", "int32 or int64", dtype_name(sm.dtype));
-    const bool values = !detail::metadata_only();
-    if (values && tokens > 0 && !sm.data)
+    if (!check_only && tokens > 0 && !sm.data)
       fail(Status::invalid_argument, "slot_mapping", "a data pointer", "null");
     std::vector<int64_t> used;
     used.reserve(std::size_t(tokens));
-    for (int64_t t = 0; values && t < tokens; ++t) {
+    for (int64_t t = 0; !check_only && t < tokens; ++t) {
       const int64_t s = load_slot(sm, t);
       if (s < -1 || s >= slots)
         fail(Status::out_of_range, "slot_mapping[" + to_string(t) + "]",
@@ -176,8 +176,8 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
     }
     detail::require_disjoint_views(kv->value_cache, "value_cache", cview(kv->key_cache),
                                    "key_cache");
-    if (values && (detail::views_may_overlap(cview(q), kv->value) ||
-                   detail::views_may_overlap(cview(k), kv->value)))
+    if (!check_only && (detail::views_may_overlap(cview(q), kv->value) ||
+                        detail::views_may_overlap(cview(k), kv->value)))
       fail(Status::invalid_argument, "value", "memory disjoint from q and k", "an overlap");
   }
   if (check_only) return;
@@ -274,13 +274,13 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
 void qk_norm_rope_check(const Rotation& rotation, const Tables& tables, const QkNorm& norm,
                         const TensorView& q, const TensorView& k) {
   const detail::MetadataOnly metadata_only;
-  run_fused(rotation, tables, q, k, &norm, nullptr, {}, /*check_only=*/true);
+  run_fused(rotation, tables, q, k, &norm, nullptr, {});
 }
 
 void rope_and_cache_kv_check(const Rotation& rotation, const Tables& tables, const TensorView& q,
                              const TensorView& k, const PagedKvWrite& cache, const QkNorm* norm) {
   const detail::MetadataOnly metadata_only;
-  run_fused(rotation, tables, q, k, norm, &cache, {}, /*check_only=*/true);
+  run_fused(rotation, tables, q, k, norm, &cache, {});
 }
 
 void qk_norm_rope(const Rotation& rotation, const Tables& tables, const QkNorm& norm,
