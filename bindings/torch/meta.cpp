@@ -44,18 +44,22 @@ bool concrete(NamedTensors tensors) {
   return true;
 }
 
-// Every argument on meta; then whether the shapes are concrete (checked like the CPU kernel).
-bool require_rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
-                       const OptTensor& positions, const OptTensor& mat_a, const OptTensor& mat_b) {
-  const NamedTensors tensors = {{"q", &q},
-                                {"k", opt(k)},
-                                {"cos", &cos},
-                                {"sin", &sin},
-                                {"positions", opt(positions)},
-                                {"mat_a", opt(mat_a)},
-                                {"mat_b", opt(mat_b)}};
+// Every argument on meta (else the error); then whether the shapes are concrete, so the
+// arguments can be checked like the CPU kernel's.
+bool checkable_on_meta(NamedTensors tensors) {
   require_all_meta(tensors);
   return concrete(tensors);
+}
+
+bool require_rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const Tensor& sin,
+                       const OptTensor& positions, const OptTensor& mat_a, const OptTensor& mat_b) {
+  return checkable_on_meta({{"q", &q},
+                            {"k", opt(k)},
+                            {"cos", &cos},
+                            {"sin", &sin},
+                            {"positions", opt(positions)},
+                            {"mat_a", opt(mat_a)},
+                            {"mat_b", opt(mat_b)}});
 }
 
 std::tuple<Tensor, Tensor> rope_meta(const Tensor& q, const OptTensor& k, const Tensor& cos,
@@ -85,10 +89,8 @@ void rope_out_meta(const Tensor& q, const OptTensor& k, const Tensor& cos, const
                    c10::string_view rotation, c10::IntArrayRef blocks, int64_t rotary_dim,
                    c10::string_view table_width, c10::IntArrayRef column_axis,
                    const OptTensor& mat_a, const OptTensor& mat_b) {
-  const bool checkable = require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
-  const NamedTensors outputs = {{"q_out", &q_out}, {"k_out", opt(k_out)}};
-  require_all_meta(outputs);
-  if (checkable && concrete(outputs))
+  const bool inputs_checkable = require_rope_meta(q, k, cos, sin, positions, mat_a, mat_b);
+  if (checkable_on_meta({{"q_out", &q_out}, {"k_out", opt(k_out)}}) && inputs_checkable)
     rope_out_call(Mode::check, q, k, cos, sin, q_out, k_out, positions, rotation, blocks,
                   rotary_dim, table_width, column_axis, mat_a, mat_b);
 }
@@ -99,10 +101,8 @@ std::tuple<Tensor, Tensor> rope_from_positions_meta(const Tensor& q, const OptTe
                                                     c10::IntArrayRef blocks, int64_t rotary_dim,
                                                     double amplitude, c10::IntArrayRef column_axis,
                                                     bool inverse) {
-  const NamedTensors tensors = {
-      {"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}};
-  require_all_meta(tensors);
-  if (concrete(tensors))
+  if (checkable_on_meta(
+          {{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}}))
     return rope_from_positions_call(Mode::check, q, k, positions, inv_freq, rotation, blocks,
                                     rotary_dim, amplitude, column_axis, inverse);
   return std::make_tuple(alloc_like(q), has(k) ? alloc_like(*k) : empty_marker(q));
@@ -134,37 +134,31 @@ void rope_from_positions_inplace_meta(const Tensor& q, const OptTensor& k, const
                                       const Tensor& inv_freq, c10::string_view rotation,
                                       c10::IntArrayRef blocks, int64_t rotary_dim, double amplitude,
                                       c10::IntArrayRef column_axis, bool inverse) {
-  const NamedTensors tensors = {
-      {"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}};
-  require_all_meta(tensors);
-  if (concrete(tensors))
+  if (checkable_on_meta(
+          {{"q", &q}, {"k", opt(k)}, {"positions", &positions}, {"inv_freq", &inv_freq}}))
     rope_from_positions_inplace_call(Mode::check, q, k, positions, inv_freq, rotation, blocks,
                                      rotary_dim, amplitude, column_axis, inverse);
 }
 
 Tensor rope_matrix_meta(const Tensor& x, const Tensor& mat, const Tensor& sin, const Tensor& cos) {
-  const NamedTensors tensors = {{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}};
-  require_all_meta(tensors);
-  if (concrete(tensors)) return rope_matrix_call(Mode::check, x, mat, sin, cos);
+  if (checkable_on_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}}))
+    return rope_matrix_call(Mode::check, x, mat, sin, cos);
   return alloc_like(x);
 }
 
 void rope_matrix_inplace_meta(const Tensor& x, const Tensor& mat, const Tensor& sin,
                               const Tensor& cos) {
-  const NamedTensors tensors = {{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}};
-  require_all_meta(tensors);
-  if (concrete(tensors)) rope_matrix_inplace_call(Mode::check, x, mat, sin, cos);
+  if (checkable_on_meta({{"x", &x}, {"mat", &mat}, {"sin", &sin}, {"cos", &cos}}))
+    rope_matrix_inplace_call(Mode::check, x, mat, sin, cos);
 }
 
 void rotary_embedding_meta(const Tensor& positions, const Tensor& query, const OptTensor& key,
                            int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
                            int64_t rope_dim_offset, bool inverse) {
-  const NamedTensors tensors = {{"positions", &positions},
-                                {"query", &query},
-                                {"key", opt(key)},
-                                {"cos_sin_cache", &cos_sin_cache}};
-  require_all_meta(tensors);
-  if (concrete(tensors))
+  if (checkable_on_meta({{"positions", &positions},
+                         {"query", &query},
+                         {"key", opt(key)},
+                         {"cos_sin_cache", &cos_sin_cache}}))
     rotary_embedding_call(Mode::check, positions, query, key, head_size, cos_sin_cache, is_neox,
                           rope_dim_offset, inverse);
 }
@@ -174,13 +168,11 @@ void fused_qk_norm_rope_meta(const Tensor& qkv, int64_t num_heads_q, int64_t num
                              const Tensor& q_weight, const Tensor& k_weight,
                              const Tensor& cos_sin_cache, bool is_neox, const Tensor& position_ids,
                              bool gemma_norm) {
-  const NamedTensors tensors = {{"qkv", &qkv},
-                                {"q_weight", &q_weight},
-                                {"k_weight", &k_weight},
-                                {"cos_sin_cache", &cos_sin_cache},
-                                {"position_ids", &position_ids}};
-  require_all_meta(tensors);
-  if (concrete(tensors))
+  if (checkable_on_meta({{"qkv", &qkv},
+                         {"q_weight", &q_weight},
+                         {"k_weight", &k_weight},
+                         {"cos_sin_cache", &cos_sin_cache},
+                         {"position_ids", &position_ids}}))
     fused_qk_norm_rope_call(Mode::check, qkv, num_heads_q, num_heads_k, num_heads_v, head_dim, eps,
                             q_weight, k_weight, cos_sin_cache, is_neox, position_ids, gemma_norm);
 }
@@ -191,18 +183,16 @@ void rotary_embedding_with_cache_meta(const Tensor& positions, const Tensor& que
                                       const Tensor& key_cache, const Tensor& value_cache,
                                       const Tensor& slot_mapping, const OptTensor& q_weight,
                                       const OptTensor& k_weight, double eps, bool gemma_norm) {
-  const NamedTensors tensors = {{"positions", &positions},
-                                {"query", &query},
-                                {"key", &key},
-                                {"value", &value},
-                                {"cos_sin_cache", &cos_sin_cache},
-                                {"key_cache", &key_cache},
-                                {"value_cache", &value_cache},
-                                {"slot_mapping", &slot_mapping},
-                                {"q_weight", opt(q_weight)},
-                                {"k_weight", opt(k_weight)}};
-  require_all_meta(tensors);
-  if (concrete(tensors))
+  if (checkable_on_meta({{"positions", &positions},
+                         {"query", &query},
+                         {"key", &key},
+                         {"value", &value},
+                         {"cos_sin_cache", &cos_sin_cache},
+                         {"key_cache", &key_cache},
+                         {"value_cache", &value_cache},
+                         {"slot_mapping", &slot_mapping},
+                         {"q_weight", opt(q_weight)},
+                         {"k_weight", opt(k_weight)}}))
     rotary_embedding_with_cache_call(Mode::check, positions, query, key, value, head_size,
                                      cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping,
                                      q_weight, k_weight, eps, gemma_norm);
@@ -219,9 +209,8 @@ void rerotate_paged_meta(const Tensor& key_cache, const Tensor& cos, const Tenso
 }
 
 Tensor interleaved_meta(const Tensor& x, const Tensor& freqs_cis) {
-  const NamedTensors tensors = {{"x", &x}, {"freqs_cis", &freqs_cis}};
-  require_all_meta(tensors);
-  if (concrete(tensors)) return interleaved_call(Mode::check, x, freqs_cis);
+  if (checkable_on_meta({{"x", &x}, {"freqs_cis", &freqs_cis}}))
+    return interleaved_call(Mode::check, x, freqs_cis);
   return alloc_like(x);
 }
 

@@ -168,3 +168,11 @@ def assert_rounded(out, ref, scale, ulps=1.0, dense_dim=0):
         f"{int(bad.sum())} of {out.numel()} elements off by more than {ulps} ulp: "
         f"max error {float(err.max()):.3g}, e.g. out {float(out.double()[bad][0])} "
         f"ref {float(ref[bad][0])}")
+
+
+def on_meta(a):
+    """A meta tensor with a's shape, strides, dtype and requires_grad; anything else as it is."""
+    if not isinstance(a, torch.Tensor):
+        return a
+    m = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+    return m.requires_grad_() if a.requires_grad else m

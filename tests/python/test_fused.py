@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from torch.library import opcheck
 
 import rome
+from conftest import on_meta
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ULP = {torch.float32: 2.0 ** -23, torch.bfloat16: 2.0 ** -7, torch.float16: 2.0 ** -10}
@@ -110,12 +111,6 @@ def test_fused_errors_write_nothing(isa):
         assert torch.equal(qkv, before)
         if argument != "position_ids":  # a value: the Meta kernel checks shapes only
             expect_same_error_on_meta(torch.ops.rome.fused_qk_norm_rope, {**base, **change}, cpu)
-
-
-def on_meta(x):
-    if not isinstance(x, torch.Tensor):
-        return x
-    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device="meta")
 
 
 def expect_same_error_on_meta(op, kwargs, cpu):

@@ -35,7 +35,7 @@ from hypothesis import HealthCheck, given, note, settings
 from hypothesis import strategies as st
 
 import rome
-from conftest import assert_rounded, reference
+from conftest import assert_rounded, on_meta, reference
 
 FLOATS = (torch.bfloat16, torch.float16, torch.float32)
 BAD_DTYPES = (torch.int32, torch.int64, torch.bool, torch.complex64, torch.float64)
@@ -861,13 +861,6 @@ def expect_error(fn, exc_type, names, op, corruption, snap):
 # Errors that need memory (position values, aliasing between tensors): the Meta kernels check
 # shapes, dtypes and strides only and leave these to the CPU kernel.
 NEEDS_MEMORY = {"positions_negative", "positions_past_cache", "k_overlaps_q", "key_is_query"}
-
-
-def on_meta(a):
-    if not isinstance(a, torch.Tensor):
-        return a
-    m = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
-    return m.requires_grad_() if a.requires_grad else m
 
 
 def expect_same_error_on_meta(fn, args, exc_type, names, op, corruption):

@@ -13,6 +13,7 @@ from torch.library import opcheck
 
 import rome
 import rome.hf
+from conftest import on_meta
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BIG = [0, 1, 4095, 131071, 1000003, 10000019]
@@ -234,7 +235,6 @@ def test_bad_input_raises_and_writes_nothing(isa):
     # Values (NaN / inf frequencies, a position past the exact range) need memory: the Meta
     # kernel checks shapes, dtypes and strides only.
     values = {1, 2, 6}
-    on_meta = lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
     for i, (change, name) in enumerate(cases):
         args = dict(positions=pos, inv_freq=inv)
         args.update(change)
