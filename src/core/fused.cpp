@@ -197,6 +197,9 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
   const bool per_token = plan.outer_count > 0;
   const detail::RotationData& r = rotation.data();
   const int64_t kv_row_bytes = hd * es;
+  // The norm kernels' table rows are C·w: fp32 values.
+  const kernels::TableValues table_values =
+      norm ? kernels::TableValues::fp32 : detail::table_values(plan);
 
   auto tile_of = [&](const TensorView& v, int64_t t, const float* cos, const float* sin) {
     kernels::ForwardTile tile{};
@@ -208,6 +211,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
     tile.x_step = tile.y_step = v.strides[1] * es;
     tile.count = v.shape[1];
     tile.dtype = dtype;
+    tile.table_values = table_values;
     return tile;
   };
 

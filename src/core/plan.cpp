@@ -859,6 +859,17 @@ void split_even_odd_16(const float* in, int64_t n, float* out) {
 
 }  // namespace
 
+kernels::TableValues table_values(const ForwardPlan& plan) {
+  const TablePlan& t = plan.tables;
+  auto is_16_bit = [](DType d) { return d == DType::bf16 || d == DType::f16; };
+  if (plan.rotation->kind != Rotation::Kind::signed_permutation || t.cos == nullptr ||
+      !is_16_bit(t.dtype_cos) || !is_16_bit(t.dtype_sin))
+    return kernels::TableValues::fp32;
+  return t.dtype_cos == DType::bf16 && t.dtype_sin == DType::bf16
+             ? kernels::TableValues::bf16
+             : kernels::TableValues::sixteen_bit;
+}
+
 void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens, int64_t stride,
                         kernels::TableLayout layout, float* cos, float* sin, float* row_cos,
                         float* row_sin) {

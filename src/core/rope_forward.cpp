@@ -78,6 +78,7 @@ struct Executor {
   std::int64_t table_stride;  // floats per prepared table row
   kernels::TableLayout layout;
   bool large_output;  // larger than the last-level cache
+  kernels::TableValues table_values;
 
   std::int64_t items() const { return plan->outer_total / line_length * tiles_per_line * parts; }
   void run(std::int64_t begin, std::int64_t end) const;
@@ -107,6 +108,7 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   tile.dtype = p.dtype;
   tile.copy_passthrough = !op.in_place && p.rotation->head_dim > p.rotation->rotary_dim;
   tile.stream = large_output && !op.in_place;
+  tile.table_values = table_values;
   const bool head_major =
       tokens > 1 && (op.inner.count == 0 ||
                      std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]));
@@ -232,6 +234,7 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   // Non-temporal stores pay only when the output cannot stay in the last-level cache, and never
   // in place: there they would evict the lines just read (on some CPUs serialising every line).
   ex.large_output = plan.bytes_moved / 2 > detail::cache_sizes().l3;
+  ex.table_values = detail::table_values(plan);
 
   ThreadCounter counter;
   detail::parallel_for(options, ex.items(), threads, [&](std::int64_t b, std::int64_t e) {

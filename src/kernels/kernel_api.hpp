@@ -9,6 +9,13 @@
 
 namespace rome::kernels {
 
+// What the core knows of a tile's table values.
+enum class TableValues : std::uint8_t {
+  fp32,         // any fp32 values (fp32 tables, table-free results, tables times a norm weight)
+  sixteen_bit,  // cos and sin each read from a bf16 or fp16 table (signs folded, nothing else)
+  bf16,         // cos and sin both read from bf16 tables
+};
+
 // A tile: `count` rows of one operand, handed over by the core's executor. Row n reads
 // x + n·x_step and writes y + n·y_step (bytes; y may equal x: in place, never a partial
 // overlap) with the table rows cos + n·table_step and sin + n·table_step (floats; 0: one table
@@ -23,15 +30,31 @@ struct ForwardTile {
   char* y;
   std::int64_t x_step, y_step;
   std::int64_t count;
-  DType dtype;            // of x and y
-  bool copy_passthrough;  // out of place: copy lanes [rotary_dim, head_dim) from x to y
-  bool stream;            // non-temporal stores where rows are aligned (never set in place)
+  DType dtype;               // of x and y
+  bool copy_passthrough;     // out of place: copy lanes [rotary_dim, head_dim) from x to y
+  bool stream;               // non-temporal stores where rows are aligned (never set in place)
+  TableValues table_values;  // a value-initialised tile says fp32
 
   const void* x_row(std::int64_t n) const { return x + n * x_step; }
   void* y_row(std::int64_t n) const { return y + n * y_step; }
   const float* cos_row(std::int64_t n) const { return cos + n * table_step; }
   const float* sin_row(std::int64_t n) const { return sin + n * table_step; }
 };
+
+// Permute kernels: a 16-bit x times a 16-bit table value is exact in fp32 (at most 11 + 11
+// significant bits), so the epilogue is one fma (combine_lane_exact_product: the correctly
+// rounded sum) instead of the compensated combine_lane.
+inline bool exact_products(const ForwardTile& tile) {
+  return (tile.dtype == DType::bf16 || tile.dtype == DType::f16) &&
+         tile.table_values != TableValues::fp32;
+}
+
+// bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the exact
+// epilogue returns (an input's payload, quietened, or the default NaN). Rounding such a NaN to
+// bf16 leaves its high half unchanged, so a kernel may narrow without a NaN case.
+inline bool nan_results_low_bits_zero(const ForwardTile& tile) {
+  return tile.dtype == DType::bf16 && tile.table_values == TableValues::bf16;
+}
 
 // y = (x·A) ⊙ cos + (x·B) ⊙ sin for every row of the tile; math in fp32, one rounding.
 using ForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile);

@@ -3,7 +3,11 @@
 // subnormal inputs and results are kept.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <limits>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "isa_testing.hpp"
 #include "reference.hpp"
@@ -12,10 +16,12 @@
 namespace rome::testing {
 namespace {
 
-class EdgeValues : public ::testing::TestWithParam<std::tuple<Isa, DType>> {};
+// x dtype and table dtype: 16-bit tables with 16-bit x take the exact-product epilogue
+// (kernel_api.hpp's exact_products), the others the compensated one.
+class EdgeValues : public ::testing::TestWithParam<std::tuple<Isa, DType, DType>> {};
 
 TEST_P(EdgeValues, MatchReference) {
-  const auto [isa, dtype] = GetParam();
+  const auto [isa, dtype, table_dtype] = GetParam();
   ScopedIsa scoped(isa);
   const Rotation rotation = Rotation::half(32);
   TestTensor x = TestTensor::make(dtype, {4, 32});
@@ -34,8 +40,8 @@ TEST_P(EdgeValues, MatchReference) {
     return 0.25 * double(j % 7) - 0.5;
   });
   TestTables tables;
-  tables.cos = TestTensor::make(DType::f32, {4, 32});
-  tables.sin = TestTensor::make(DType::f32, {4, 32});
+  tables.cos = TestTensor::make(table_dtype, {4, 32});
+  tables.sin = TestTensor::make(table_dtype, {4, 32});
   tables.cos.fill([](const auto& i) { return i[0] == 2 ? 1.5 : 0.5 + 0.01 * double(i[1]); });
   tables.sin.fill([](const auto& i) { return i[0] == 2 ? 0.75 : 0.3 - 0.01 * double(i[1]); });
   const std::vector<double> ref = reference_forward(rotation, tables, x);
@@ -47,13 +53,129 @@ TEST_P(EdgeValues, MatchReference) {
   for (std::int64_t j = 0; j < 32; ++j)
     EXPECT_EQ(std::isnan(out.get({0, j})), j == 3 || j == 19) << "lane " << j;
   // fp16: beyond 65504 the result is ±inf, as the exact value rounded to fp16.
-  if (dtype == DType::f16) EXPECT_TRUE(std::isinf(out.get({2, 16})) && out.get({2, 16}) > 0);
+  if (dtype == DType::f16) {
+    EXPECT_TRUE(std::isinf(out.get({2, 16})) && out.get({2, 16}) > 0);
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(AllIsas, EdgeValues,
                          ::testing::Combine(::testing::ValuesIn(isas_under_test()),
+                                            ::testing::Values(DType::f32, DType::f16, DType::bf16),
                                             ::testing::Values(DType::f32, DType::f16,
                                                               DType::bf16)));
+
+// The exact-product epilogue and the bf16 narrowing without a NaN case (bf16 x, bf16 tables),
+// bit for bit against the scalar kernel on every ISA, with NaNs (signalling, payloads, both
+// signs) in x and in either table, infinities, inf·0, subnormal products, cancelling terms and
+// overflow. One NaN source per output lane, so no result depends on which NaN an fma keeps. An
+// fp16 table NaN with every payload bit set would round to -0 or to another payload if a
+// kernel skipped the NaN case where it must not.
+struct SpecialCase {
+  DType x_dtype, table_dtype;
+  Rotation rotation;
+  const char* name;
+};
+
+class ExactProductEpilogue : public ::testing::TestWithParam<std::tuple<Isa, int>> {};
+
+std::vector<SpecialCase> special_cases() {
+  std::vector<SpecialCase> cases;
+  const std::pair<Rotation, const char*> rotations[] = {{Rotation::half(32), "half32"},
+                                                        {Rotation::interleave(32), "interleave32"},
+                                                        {Rotation::quarter(64), "quarter64"},
+                                                        {Rotation::half(24), "half24"}};
+  for (DType x : {DType::bf16, DType::f16})
+    for (DType t : {DType::bf16, DType::f16, DType::f32})
+      for (const auto& [rotation, name] : rotations) cases.push_back({x, t, rotation, name});
+  return cases;
+}
+
+// The storage bits of element e.
+std::uint32_t bits_at(const TestTensor& t, std::int64_t e) {
+  const auto* p = static_cast<const unsigned char*>(t.at(t.unravel(e)));
+  std::uint32_t u = 0;
+  std::memcpy(&u, p, std::size_t(dtype_size(t.dtype)));
+  return u;
+}
+
+void set_bits(TestTensor& t, const std::vector<std::int64_t>& idx, std::uint32_t u) {
+  std::memcpy(t.at(idx), &u, std::size_t(dtype_size(t.dtype)));
+}
+
+// A NaN of the dtype with every payload bit set (quiet), negative, or signalling with one bit.
+std::uint32_t nan_bits(DType d, int which) {
+  switch (d) {
+    case DType::bf16: return which == 0 ? 0x7fffu : which == 1 ? 0xffc1u : 0x7f81u;
+    case DType::f16: return which == 0 ? 0x7fffu : which == 1 ? 0xfe01u : 0x7c01u;
+    default: return which == 0 ? 0x7fffffffu : which == 1 ? 0xffc12345u : 0x7f800001u;
+  }
+}
+
+TEST_P(ExactProductEpilogue, SpecialValuesMatchScalarBitForBit) {
+  const auto [isa, index] = GetParam();
+  const SpecialCase c = special_cases()[std::size_t(index)];
+  const std::int64_t rd = c.rotation.rotary_dim(), rows = 8;
+  const double inf = std::numeric_limits<double>::infinity();
+  TestTensor x = TestTensor::make(c.x_dtype, {rows, rd});
+  TestTables tables;
+  tables.cos = TestTensor::make(c.table_dtype, {rows, rd});
+  tables.sin = TestTensor::make(c.table_dtype, {rows, rd});
+  x.fill([&](const auto& i) { return 0.25 * double((i[0] * 7 + i[1]) % 11) - 1.125; });
+  tables.cos.fill([&](const auto& i) { return 0.9 - 0.02 * double(i[1]); });
+  tables.sin.fill([&](const auto& i) { return 0.1 + 0.015 * double(i[1]); });
+  // Lanes 1, 5 and 9 are nobody's partner of each other in these rotations.
+  set_bits(x, {1, 1}, nan_bits(c.x_dtype, 2));
+  x.set({1, 9}, -inf);
+  set_bits(tables.cos, {2, 5}, nan_bits(c.table_dtype, 0));
+  set_bits(tables.sin, {3, 9}, nan_bits(c.table_dtype, 1));
+  tables.sin.set({2, 1}, inf);
+  x.set({4, 5}, inf);
+  tables.cos.set({4, 5}, 0.0);  // inf·0: the default NaN
+  for (std::int64_t j = 0; j < rd; ++j) {
+    x.set({5, j}, (j % 2 ? -1.0 : 1.0) * 1.5e-38 * double(j + 1));  // subnormal products
+    tables.cos.set({5, j}, 0.0078125 * double(j % 5 + 1));
+    x.set({6, j}, j % 3 ? 3.0e38 : -2.0e38);  // overflow past fp32 (bf16) or fp16
+    tables.cos.set({6, j}, 1.5);
+    x.set({7, j}, 1.0 + double(j) / 64.0);  // terms that cancel: xa·c ≈ -xb·s
+    tables.cos.set({7, j}, 0.5);
+    tables.sin.set({7, j}, -0.5);
+  }
+  auto run = [&](Isa run_isa) {
+    ScopedIsa scoped(run_isa);
+    TestTensor out = TestTensor::make(c.x_dtype, x.shape);
+    rope_forward(c.rotation, tables.view(), Operand{x.cview(), out.view()});
+    TestTensor in_place = x;
+    rope_forward(c.rotation, tables.view(), Operand{in_place.cview(), in_place.view()});
+    return std::make_pair(out, in_place);
+  };
+  const auto expected = run(Isa::scalar);
+  const auto got = run(isa);
+  for (std::int64_t e = 0; e < x.numel(); ++e) {
+    ASSERT_EQ(bits_at(got.first, e), bits_at(expected.first, e))
+        << c.name << " element " << e << " (out of place)";
+    ASSERT_EQ(bits_at(got.second, e), bits_at(expected.second, e))
+        << c.name << " element " << e << " (in place)";
+  }
+  // The NaN sources reach their lanes; a NaN in x is kept quiet with its payload.
+  EXPECT_TRUE(std::isnan(expected.first.get({1, 1})));
+  EXPECT_TRUE(std::isnan(expected.first.get({2, 5})));
+  EXPECT_TRUE(std::isnan(expected.first.get({3, 9})));
+  EXPECT_TRUE(std::isnan(expected.first.get({4, 5})));
+  if (c.x_dtype == DType::bf16) {
+    EXPECT_EQ(bits_at(expected.first, 1 * rd + 1), 0x7fc1u);
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, ExactProductEpilogue,
+                         ::testing::Combine(::testing::ValuesIn(isas_under_test()),
+                                            ::testing::Range(0, int(special_cases().size()))),
+                         [](const auto& info) {
+                           const SpecialCase c =
+                               special_cases()[std::size_t(std::get<1>(info.param))];
+                           return std::string(isa_name(std::get<0>(info.param))) + "_" +
+                                  dtype_name(c.x_dtype) + "_x_" + dtype_name(c.table_dtype) +
+                                  "_tables_" + c.name;
+                         });
 
 }  // namespace
 }  // namespace rome::testing

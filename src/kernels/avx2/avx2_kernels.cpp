@@ -17,12 +17,13 @@
 //             every output vector is built by vpermps (_mm256_permutevar8x32_ps) steps of the
 //             plan, blended into a zeroed accumulator.
 // bf16 rows of the pairs, half and quarter kinds go 16 lanes at a time on tables in even/odd
-// order (TableLayout::even_odd_16): no permute, no pack. The epilogue is avx2::combine (the
-// scalar kernel's compensated xa·c + xb·s, operation for operation), then one rounding to the
-// storage type, so every bit matches the scalar kernel. Rows whose rotary_dim is not a multiple
-// of 8 end with masked loads/stores (fp32) or a staging buffer (16-bit types). bf16 is narrowed
-// by integer round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact).
-// Non-temporal stores only when the core asks (out of place, output larger than the LLC).
+// order (TableLayout::even_odd_16): no permute, no pack. The epilogue is avx2::combine
+// (combine_lane's compensated xa·c + xb·s, operation for operation), or one fma where xa·c is exact
+// (combine_exact_product; kernel_api.hpp's exact_products), then one rounding to the storage type,
+// so every bit matches the scalar kernel. Rows whose rotary_dim is not a multiple of 8 end with
+// masked loads/stores (fp32) or a staging buffer (16-bit types). bf16 is narrowed by integer
+// round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact). Non-temporal stores
+// only when the core asks (out of place, output larger than the LLC).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -88,6 +89,16 @@ ROME_INLINE int lanes_of(const Work& w, std::int64_t v) {
   return v == w.V - 1 ? w.tail : kW;
 }
 
+// The row loops' type parameter: the storage type's lanes and what the tile's values allow
+// (kernel_api.hpp: exact_products, nan_results_low_bits_zero).
+template <DType D, bool kExact, bool kNanLowBitsZero>
+struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
+                                     Lanes16<Bf16NanLowBitsZero>, Lanes<D>> {
+  static constexpr DType kDType = D;
+  static constexpr bool kExactProducts = kExact;
+  static constexpr bool kNarrowWithoutNanCheck = kNanLowBitsZero;
+};
+
 template <typename L>
 using Row = TileRow<typename L::T>;
 
@@ -102,9 +113,34 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
     copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
 }
 
-template <typename T>
-ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const TileRow<T>& row, std::int64_t v) {
-  return avx2::combine(xa, _mm256_load_ps(row.C + kW * v), xb, _mm256_load_ps(row.S + kW * v));
+template <bool kExact>
+ROME_INLINE __m256 epilogue(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+  return kExact ? combine_exact_product(xa, c, xb, s) : avx2::combine(xa, c, xb, s);
+}
+
+template <typename L>
+ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const Row<L>& row, std::int64_t v) {
+  return epilogue<L::kExactProducts>(xa, _mm256_load_ps(row.C + kW * v), xb,
+                                     _mm256_load_ps(row.S + kW * v));
+}
+
+// Two outputs of the epilogue. The compensated one runs without its guard and is redone with it
+// when a result is NaN (the only case where the guard can matter; see combine_unguarded); the
+// exact-product one has no guard.
+template <bool kExact>
+ROME_INLINE void epilogue_pair(__m256 a0, __m256 c0, __m256 b0, __m256 s0, __m256 a1, __m256 c1,
+                               __m256 b1, __m256 s1, __m256& out0, __m256& out1) {
+  if constexpr (kExact) {
+    out0 = combine_exact_product(a0, c0, b0, s0);
+    out1 = combine_exact_product(a1, c1, b1, s1);
+  } else {
+    out0 = combine_unguarded(a0, c0, b0, s0);
+    out1 = combine_unguarded(a1, c1, b1, s1);
+    if (__builtin_expect(any_nan(out0, out1), 0)) {
+      out0 = avx2::combine(a0, c0, b0, s0);
+      out1 = avx2::combine(a1, c1, b1, s1);
+    }
+  }
 }
 
 template <typename L>
@@ -134,15 +170,13 @@ ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
       const __m256 xv = L::load(row.x + kW * v, lanes_of(w, v));
       const __m256 xb = kPairs ? _mm256_permute_ps(xv, 0xb1)
                                : _mm256_and_ps(_mm256_permutevar8x32_ps(xv, w.idx[v]), w.mask[v]);
-      put<L>(w, stream, row.y, v, combine(xv, xb, row, v));
+      put<L>(w, stream, row.y, v, combine<L>(xv, xb, row, v));
     }
     pass_through<L>(w, row.x, row.y);
   }
 }
 
 // half / quarter move: vectors v and v ^ K swap roles; both are read before either is written.
-// The pair is combined without the epilogue's guard and redone with it when a result is NaN
-// (the only case where the guard can matter; see combine_unguarded).
 template <typename L>
 ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
   const std::int64_t K = w.xor_k;
@@ -155,11 +189,8 @@ ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
         const __m256 a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
         const __m256 cv = _mm256_load_ps(row.C + kW * v), sv = _mm256_load_ps(row.S + kW * v);
         const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
-        __m256 out_v = combine_unguarded(a, cv, b, sv), out_u = combine_unguarded(b, cu, a, su);
-        if (__builtin_expect(any_nan(out_v, out_u), 0)) {
-          out_v = avx2::combine(a, cv, b, sv);
-          out_u = avx2::combine(b, cu, a, su);
-        }
+        __m256 out_v, out_u;
+        epilogue_pair<L::kExactProducts>(a, cv, b, sv, b, cu, a, su, out_v, out_u);
         put<L>(w, stream, row.y, v, out_v);
         put<L>(w, stream, row.y, u, out_u);
       }
@@ -199,7 +230,7 @@ ROME_INLINE void row_general(const Work& w, const Row<L>& row) {
     const __m256 xa = r.a_identity ? _mm256_load_ps(X + kW * v)
                                    : permute_vector(pa.steps.data(), w.a_masks, pa.step_begin[v],
                                                     pa.step_begin[v + 1], X);
-    put<L>(w, stream, y, v, combine(xa, xb, row, v));
+    put<L>(w, stream, y, v, combine<L>(xa, xb, row, v));
   }
 }
 
@@ -209,7 +240,7 @@ ROME_INLINE void row_single(const Work& w, const Row<L>& row) {
   for (std::int64_t v = 0; v < w.V; ++v) {
     const __m256 xs = L::load(row.x + w.src[v], w.src_n[v]);
     const __m256 xb = kMove ? xs : _mm256_and_ps(_mm256_permutevar8x32_ps(xs, w.idx[v]), w.mask[v]);
-    put<L>(w, stream, row.y, v, combine(L::load(row.x + kW * v, lanes_of(w, v)), xb, row, v));
+    put<L>(w, stream, row.y, v, combine<L>(L::load(row.x + kW * v, lanes_of(w, v)), xb, row, v));
   }
 }
 
@@ -234,7 +265,7 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
         case 1: xb = _mm256_blendv_ps(xb, _mm256_loadu_ps(at + d[0]), m[0]); break;
         default: break;
       }
-      put<L>(w, stream, row.y, v, combine(_mm256_load_ps(at), xb, row, v));
+      put<L>(w, stream, row.y, v, combine<L>(_mm256_load_ps(at), xb, row, v));
     }
     pass_through<L>(w, row.x, row.y);
   }
@@ -277,24 +308,30 @@ ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w) {
 
 // Output chunk c from input chunks c (a) and its partner (b): y = a·C + b'·S, where b' is b
 // (half, quarter) or a with even and odd swapped (interleave). The fast path skips both NaN
-// guards (the epilogue's and the rounding's); a chunk with a NaN among its results, which is
-// exactly where a guard can matter, is redone the exact way.
-template <bool kPairs, bool kStream>
+// guards (the compensated epilogue's and the rounding's); a chunk with a NaN among its results,
+// which is exactly where a guard can matter, is redone the exact way. Without the NaN check when
+// every NaN result has 16 zero low bits: rounding then leaves its high half as it is, already
+// quiet (the fma quietened it), which is what the NaN case would make of it.
+template <bool kPairs, bool kExact, bool kNoNanCheck, bool kStream>
 ROME_INLINE void bf16_chunk(const EvenOdd& a, const EvenOdd& b, const float* C, const float* S,
                             std::uint16_t* y) {
   const __m256 b_even = kPairs ? a.odd : b.even, b_odd = kPairs ? a.even : b.odd;
   const __m256 c_even = _mm256_load_ps(C), c_odd = _mm256_load_ps(C + kW);
   const __m256 s_even = _mm256_load_ps(S), s_odd = _mm256_load_ps(S + kW);
-  __m256 even = combine_unguarded(a.even, c_even, b_even, s_even);
-  __m256 odd = combine_unguarded(a.odd, c_odd, b_odd, s_odd);
+  __m256 even = kExact ? combine_exact_product(a.even, c_even, b_even, s_even)
+                       : combine_unguarded(a.even, c_even, b_even, s_even);
+  __m256 odd = kExact ? combine_exact_product(a.odd, c_odd, b_odd, s_odd)
+                      : combine_unguarded(a.odd, c_odd, b_odd, s_odd);
   const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-  if (__builtin_expect(!any_nan(even, odd), 1)) {
+  if (kNoNanCheck || __builtin_expect(!any_nan(even, odd), 1)) {
     store_bf16<kStream>(y, _mm256_or_si256(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
                                            _mm256_and_si256(round_bf16_high_not_nan(odd), high)));
     return;
   }
-  even = avx2::combine(a.even, c_even, b_even, s_even);
-  odd = avx2::combine(a.odd, c_odd, b_odd, s_odd);
+  if constexpr (!kExact) {
+    even = avx2::combine(a.even, c_even, b_even, s_even);
+    odd = avx2::combine(a.odd, c_odd, b_odd, s_odd);
+  }
   store_bf16<kStream>(y, _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
                                          _mm256_and_si256(round_bf16_high(odd), high)));
 }
@@ -303,7 +340,8 @@ template <typename L, bool kStream>
 ROME_INLINE void row_bf16_pairs(std::int64_t chunks, const Row<L>& row) {
   for (std::int64_t c = 0; c < 16 * chunks; c += 16) {
     const EvenOdd a = split_bf16(row.x + c);
-    bf16_chunk<true, kStream>(a, a, row.C + c, row.S + c, row.y + c);
+    bf16_chunk<true, L::kExactProducts, L::kNarrowWithoutNanCheck, kStream>(a, a, row.C + c,
+                                                                            row.S + c, row.y + c);
   }
 }
 
@@ -328,8 +366,10 @@ ROME_INLINE void row_bf16_xor(std::int64_t chunks, std::int64_t K, const Row<L>&
   for (std::int64_t c0 = 0; c0 < 16 * chunks; c0 += 2 * d) {
     for (std::int64_t c = c0; c < c0 + d; c += 16) {
       const EvenOdd a = split_bf16(row.x + c), b = split_bf16(row.x + c + d);
-      bf16_chunk<false, kStream>(a, b, row.C + c, row.S + c, row.y + c);
-      bf16_chunk<false, kStream>(b, a, row.C + c + d, row.S + c + d, row.y + c + d);
+      constexpr bool kExact = L::kExactProducts, kNoCheck = L::kNarrowWithoutNanCheck;
+      bf16_chunk<false, kExact, kNoCheck, kStream>(a, b, row.C + c, row.S + c, row.y + c);
+      bf16_chunk<false, kExact, kNoCheck, kStream>(b, a, row.C + c + d, row.S + c + d,
+                                                   row.y + c + d);
     }
   }
 }
@@ -376,12 +416,8 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
       const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
       const __m256 ch = _mm256_load_ps(row.C + kW * (H + u));
       const __m256 sh = _mm256_load_ps(row.S + kW * (H + u));
-      __m256 lo = combine_unguarded(eo.even, cu, eo.odd, su);
-      __m256 hi = combine_unguarded(eo.odd, ch, eo.even, sh);
-      if (__builtin_expect(any_nan(lo, hi), 0)) {  // see rows_xor_move
-        lo = avx2::combine(eo.even, cu, eo.odd, su);
-        hi = avx2::combine(eo.odd, ch, eo.even, sh);
-      }
+      __m256 lo, hi;
+      epilogue_pair<L::kExactProducts>(eo.even, cu, eo.odd, su, eo.odd, ch, eo.even, sh, lo, hi);
       put<L>(w, stream, row.y, u, lo);
       put<L>(w, stream, row.y, H + u, hi);
     }
@@ -398,7 +434,7 @@ bool even_odd_kind(Kind kind, std::int64_t rd, int xor_k) {
 
 template <typename L>
 ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile) {
-  if constexpr (std::is_same_v<L, Lanes<DType::bf16>>) {
+  if constexpr (L::kDType == DType::bf16) {
     if (even_odd_kind(kind, w.rd, w.xor_k))
       return kind == Kind::pairs ? rows_bf16_pairs<L>(w, tile) : rows_bf16_xor<L>(w, tile);
   }
@@ -634,7 +670,6 @@ TableLayout table_layout(const RotationData& r, DType dtype) {
 
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
-  using L = Lanes<D>;
   if (tile.count <= 0) return;
   Work w = work_for(r);
   w.pass = tile.copy_passthrough && w.hd > w.rd;
@@ -660,7 +695,16 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
   w.shift_count = prepared.shift_count;
   w.shift_offset = prepared.shift_offset;
   w.shift_mask = prepared.shift_mask;
-  dispatch_rows<L>(prepared.kind, w, tile);
+  if constexpr (D == DType::f32) {
+    dispatch_rows<RowLanes<D, false, false>>(prepared.kind, w, tile);
+  } else {
+    if (!exact_products(tile))
+      dispatch_rows<RowLanes<D, false, false>>(prepared.kind, w, tile);
+    else if (nan_results_low_bits_zero(tile))
+      dispatch_rows<RowLanes<D, true, D == DType::bf16>>(prepared.kind, w, tile);
+    else
+      dispatch_rows<RowLanes<D, true, false>>(prepared.kind, w, tile);
+  }
   // Non-temporal stores are weakly ordered: make them visible before the tile is reported done.
   if (w.stream) _mm_sfence();
 }

@@ -98,6 +98,20 @@ struct Fp16 {
   }
 };
 
+// bf16 narrowing of values whose NaNs (if any) have 16 zero low bits (kernel_api.hpp's
+// nan_results_low_bits_zero): round to nearest even leaves such a NaN's high half unchanged, so
+// the NaN case of Bf16::narrow is not needed.
+struct Bf16NanLowBitsZero {
+  static ROME_INLINE __m256 widen(__m128i h) { return Bf16::widen(h); }
+  static ROME_INLINE __m128i narrow(__m256 v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    const __m256i h = _mm256_srli_epi32(
+        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  }
+};
+
 template <>
 struct Lanes<DType::bf16> : Lanes16<Bf16> {};
 template <>
@@ -120,7 +134,7 @@ ROME_INLINE void copy_bytes(void* dst, const void* src, std::int64_t bytes, bool
   if (bytes > 0) std::memcpy(d, s, std::size_t(bytes));
 }
 
-// xa·c + xb·s, operation for operation as the scalar kernel's combine: p = xa·c,
+// xa·c + xb·s, operation for operation as combine_lane (common/combine-inl.hpp): p = xa·c,
 // e = fma(xa, c, -p) where p is finite (else 0), y = fma(xb, s, p) + e.
 ROME_INLINE __m256 combine(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   const __m256 p = _mm256_mul_ps(xa, c);
@@ -128,6 +142,12 @@ ROME_INLINE __m256 combine(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   const __m256 finite = _mm256_cmp_ps(abs_p, _mm256_set1_ps(3.40282347e+38f), _CMP_LE_OQ);
   const __m256 e = _mm256_and_ps(finite, _mm256_fmsub_ps(xa, c, p));
   return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), e);
+}
+
+// xa·c + xb·s when xa·c is exact in fp32 (ForwardTile::exact_products), operation for operation
+// as combine_lane_exact_product.
+ROME_INLINE __m256 combine_exact_product(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+  return _mm256_fmadd_ps(xb, s, _mm256_mul_ps(xa, c));
 }
 
 // avx2::combine without its guard for a non-finite xa·c. Where the guard matters (xa·c is inf

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "../../core/convert.hpp"
+#include "../common/combine-inl.hpp"
 #include "../common/norm_fold-inl.hpp"
 #include "../kernel_api.hpp"
 #include "avx2_lanes.hpp"
@@ -299,10 +300,7 @@ void norm_rows_lanes(const RotationData& r, const ForwardTile& tile, const NormP
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? N[j] : r.a.sign[j] == 0 ? 0.0f : N[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : N[r.b.src[j]];
-      const float c = cw[j], s = sw[j];
-      const float p = xa * c;
-      const float e = std::fabs(p) <= 3.40282347e+38f ? std::fma(xa, c, -p) : 0.0f;
-      detail::store_float<D>(y + j, std::fma(xb, s, p) + e);
+      detail::store_float<D>(y + j, combine_lane(xa, cw[j], xb, sw[j]));
     }
     for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, N[j] * norm.weight[j]);
   }

@@ -12,12 +12,12 @@
 //  - single / move: every output vector permutes (or is) one input vector;
 //  - general: anything else (3D 44+44+40, interleave_half, dense signed permutations): vpermt2ps
 //             (_mm512_permutex2var_ps) over pairs of input vectors, blended under lane masks.
-// Lanes without a source are zeroed by the permute masks. The epilogue is avx512::combine (the
-// scalar kernel's compensated xa·c + xb·s, operation for operation), one rounding to the storage
-// type at the end, so every bit matches the scalar kernel. Rotary dims 64, 128 and 256 keep the
-// whole row in registers; other sizes end with a masked vector, and in place the general paths
-// widen the row into an fp32 buffer first. Either way every source of a row is read before the
-// row is written.
+// Lanes without a source are zeroed by the permute masks. The epilogue is avx512::combine
+// (combine_lane's compensated xa·c + xb·s, operation for operation), or one fma where xa·c is exact
+// (combine_exact_product; kernel_api.hpp's exact_products), one rounding to the storage type at the
+// end, so every bit matches the scalar kernel. Rotary dims 64, 128 and 256 keep the whole row in
+// registers; other sizes end with a masked vector, and in place the general paths widen the row
+// into an fp32 buffer first. Either way every source of a row is read before the row is written.
 //
 // bf16 is narrowed with vcvtne2ps2bf16 / vcvtneps2bf16 when the CPU has AVX512-BF16 (they flush
 // subnormals, so a row holding one takes the integer round-to-nearest-even path), else with
@@ -66,6 +66,7 @@ struct Work {
   __mmask16 tail = 0xffff;              // lanes of the last vector
   bool pass = false;                    // copy lanes [rd, hd)
   bool stream = false;                  // non-temporal stores for 64-byte aligned rows
+  bool exact_products = false;          // kernel_api.hpp: exact_products
   float* X = nullptr;                   // the row in fp32 (general rows of other sizes)
   const __m512i* idx = nullptr;         // local / single: per output vector
   const std::int32_t* src = nullptr;    // single / move: first element of the source vector
@@ -98,8 +99,12 @@ ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L:
 }
 
 template <typename T>
-ROME_INLINE __m512 combine(__m512 xa, __m512 xb, const TileRow<T>& row, std::int64_t v) {
-  return avx512::combine(xa, _mm512_load_ps(row.C + kW * v), xb, _mm512_load_ps(row.S + kW * v));
+ROME_INLINE __m512 combine(const Work& w, __m512 xa, __m512 xb, const TileRow<T>& row,
+                           std::int64_t v) {
+  // A branch, not a template parameter: one more instantiation of every row loop would double
+  // this file's build time.
+  const __m512 c = _mm512_load_ps(row.C + kW * v), s = _mm512_load_ps(row.S + kW * v);
+  return w.exact_products ? combine_exact_product(xa, c, xb, s) : avx512::combine(xa, c, xb, s);
 }
 
 // Stores a full row of VC vectors, non-temporally when streaming and aligned.
@@ -154,14 +159,14 @@ ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) {
         const __m512 xv = L::load(x + kW * v);
-        out[v] = combine(xv, permute(xv, v), row, v);
+        out[v] = combine(w, xv, permute(xv, v), row, v);
       }
       store_row<L, VC>(w, y, out);
     } else {
       for (std::int64_t v = 0; v < w.V; ++v) {
         const __mmask16 m = lanes_of(w, v);
         const __m512 xv = L::load(x + kW * v, m);
-        L::store(y + kW * v, combine(xv, permute(xv, v), row, v), m);
+        L::store(y + kW * v, combine(w, xv, permute(xv, v), row, v), m);
       }
     }
     pass_through<L>(w, x, y);
@@ -180,7 +185,7 @@ ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
 #pragma GCC unroll 16
     for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
 #pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) out[v] = combine(in[v], in[v ^ K], row, v);
+    for (int v = 0; v < VC; ++v) out[v] = combine(w, in[v], in[v ^ K], row, v);
     store_row<L, VC>(w, y, out);
     pass_through<L>(w, x, y);
   }
@@ -200,7 +205,7 @@ ROME_INLINE void rows_single_fixed(const Work& w, const ForwardTile& tile) {
     for (int v = 0; v < VC; ++v) {
       const __m512 xs = L::load(x + w.src[v]);
       const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
-      out[v] = combine(L::load(x + kW * v), xb, row, v);
+      out[v] = combine(w, L::load(x + kW * v), xb, row, v);
     }
     store_row<L, VC>(w, y, out);
     pass_through<L>(w, x, y);
@@ -237,7 +242,7 @@ ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
       const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
       const __m512 xa =
           a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P);
-      out[v] = combine(xa, xb, row, v);
+      out[v] = combine(w, xa, xb, row, v);
     }
     store_row<L, VC>(w, y, out);
     pass_through<L>(w, x, y);
@@ -280,7 +285,7 @@ ROME_INLINE void row_general(const Work& w, const Row<L>& row) {
     const __m512 xa = r.a_identity
                           ? _mm512_load_ps(X + kW * v)
                           : permute_vector(a_steps + a_begin[v], a_steps + a_begin[v + 1], X);
-    L::store(y + kW * v, combine(xa, xb, row, v), lanes_of(w, v));
+    L::store(y + kW * v, combine(w, xa, xb, row, v), lanes_of(w, v));
   }
 }
 
@@ -293,7 +298,7 @@ ROME_INLINE void row_single(const Work& w, const Row<L>& row) {
     const __m512 xs = L::load(x + w.src[v], w.src_mask[v]);
     const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
     const __mmask16 m = lanes_of(w, v);
-    L::store(y + kW * v, combine(L::load(x + kW * v, m), xb, row, v), m);
+    L::store(y + kW * v, combine(w, L::load(x + kW * v, m), xb, row, v), m);
   }
 }
 
@@ -524,6 +529,7 @@ ROME_INLINE void forward_impl(const RotationData& r, const ForwardTile& tile) {
   const int rem = int(w.rd % kW);
   w.tail = rem ? __mmask16((1u << rem) - 1) : __mmask16(0xffff);
   w.stream = tile.stream;
+  w.exact_products = exact_products(tile);
   ThreadState& state = t_state;
   // X: the row widened to fp32 (general rows); the permute data comes from the thread's cache.
   constexpr std::int64_t kStackVectors = 16;

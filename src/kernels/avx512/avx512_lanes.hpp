@@ -135,13 +135,19 @@ ROME_INLINE void copy_bytes(void* dst, const void* src, std::int64_t bytes, bool
   }
 }
 
-// xa·c + xb·s, operation for operation as the scalar kernel's combine: p = xa·c,
+// xa·c + xb·s, operation for operation as combine_lane (common/combine-inl.hpp): p = xa·c,
 // e = fma(xa, c, -p) where p is finite (else 0), y = fma(xb, s, p) + e.
 ROME_INLINE __m512 combine(__m512 xa, __m512 c, __m512 xb, __m512 s) {
   const __m512 p = _mm512_mul_ps(xa, c);
   const __mmask16 finite = _mm512_fpclass_ps_mask(p, 0x99) ^ __mmask16(0xffff);  // not inf/NaN
   const __m512 e = _mm512_maskz_fmsub_ps(finite, xa, c, p);
   return _mm512_add_ps(_mm512_fmadd_ps(xb, s, p), e);
+}
+
+// xa·c + xb·s when xa·c is exact in fp32 (ForwardTile::exact_products), operation for operation
+// as combine_lane_exact_product.
+ROME_INLINE __m512 combine_exact_product(__m512 xa, __m512 c, __m512 xb, __m512 s) {
+  return _mm512_fmadd_ps(xb, s, _mm512_mul_ps(xa, c));
 }
 
 }  // namespace rome::kernels::avx512

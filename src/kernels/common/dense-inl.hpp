@@ -9,7 +9,7 @@
 // product into a second scratch row.
 //
 // Every output lane is one fma per input lane of its diagonal block, in ascending order from
-// +0, and the epilogue is the scalar kernel's combine: bit for bit the scalar kernel on every
+// +0, and the epilogue is combine_lane (combine-inl.hpp): bit for bit the scalar kernel on every
 // ISA, whatever R or the panel width.
 //
 // The traits type V provides: F (a vector of kLanes floats); kDenseRows (R: R·2 accumulators +

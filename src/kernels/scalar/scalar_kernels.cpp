@@ -1,10 +1,11 @@
 // Portable kernels: the fallback on every CPU and the reference the SIMD kernels must match bit
-// for bit (the same operations in the same order: combine() below).
+// for bit (the same operations in the same order: common/combine-inl.hpp).
 #include <cmath>
 #include <cstring>
 #include <vector>
 
 #include "../../core/convert.hpp"
+#include "../common/combine-inl.hpp"
 #include "../common/norm_fold-inl.hpp"
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
@@ -14,16 +15,6 @@ namespace {
 
 using detail::RotationData;
 
-// xa·c + xb·s with the rounding error of xa·c added back (an error-free product), so the
-// result stays within about one fp32 ulp even when the two terms cancel. A product that is not
-// finite has no error term (inf - inf would turn an infinite result into NaN).
-// The SIMD kernels compute exactly this, operation for operation.
-inline float combine(float xa, float c, float xb, float s) {
-  const float p = xa * c;
-  const float e = std::fabs(p) <= 3.40282347e+38f ? std::fma(xa, c, -p) : 0.0f;
-  return std::fma(xb, s, p) + e;
-}
-
 // The tile's tables carry the signs of A and B, so a lane only reads its source (or nothing).
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
@@ -32,6 +23,7 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
   thread_local std::vector<float> row;
   if (std::int64_t(row.size()) < rd) row.resize(rd);
   float* xf = row.data();
+  const bool exact = exact_products(tile);
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const T* x = static_cast<const T*>(tile.x_row(n));
     T* y = static_cast<T*>(tile.y_row(n));
@@ -41,7 +33,8 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? xf[j] : r.a.sign[j] == 0 ? 0.0f : xf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : xf[r.b.src[j]];
-      detail::store_float<D>(y + j, combine(xa, cos[j], xb, sin[j]));
+      detail::store_float<D>(y + j, exact ? combine_lane_exact_product(xa, cos[j], xb, sin[j])
+                                          : combine_lane(xa, cos[j], xb, sin[j]));
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
@@ -72,7 +65,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
           xb = std::fma(xf[i], b[i * rd + j], xb);
         }
         if (r.a_identity) xa = xf[j];
-        detail::store_float<D>(y + j, combine(xa, cos[j], xb, sin[j]));
+        detail::store_float<D>(y + j, combine_lane(xa, cos[j], xb, sin[j]));
       }
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
@@ -123,7 +116,7 @@ void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const 
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? nf[j] : r.a.sign[j] == 0 ? 0.0f : nf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : nf[r.b.src[j]];
-      detail::store_float<D>(y + j, combine(xa, cw[j], xb, sw[j]));
+      detail::store_float<D>(y + j, combine_lane(xa, cw[j], xb, sw[j]));
     }
     for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, nf[j] * norm.weight[j]);
   }

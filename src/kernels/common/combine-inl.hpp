@@ -1,0 +1,27 @@
+// The permute kernels' epilogue, one lane at a time: written once and compiled into each kernel
+// library (internal linkage: each copy is built with its own flags). The SIMD kernels compute
+// exactly these operations in this order, so every ISA gives the same bits.
+#pragma once
+
+#include <cmath>
+
+namespace rome::kernels {
+namespace {
+
+// xa·c + xb·s with the rounding error of xa·c added back (an error-free product), so the result
+// stays within about one fp32 ulp even when the two terms cancel. A product that is not finite
+// has no error term (inf - inf would turn an infinite result into NaN).
+inline float combine_lane(float xa, float c, float xb, float s) {
+  const float p = xa * c;
+  const float e = std::fabs(p) <= 3.40282347e+38f ? std::fma(xa, c, -p) : 0.0f;
+  return std::fma(xb, s, p) + e;
+}
+
+// xa·c + xb·s when xa·c is exact in fp32 (a 16-bit x times a 16-bit table value: at most 11 + 11
+// significant bits): one fma, the correctly rounded sum, with nothing to add back.
+inline float combine_lane_exact_product(float xa, float c, float xb, float s) {
+  return std::fma(xb, s, xa * c);
+}
+
+}  // namespace
+}  // namespace rome::kernels
