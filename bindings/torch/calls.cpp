@@ -153,16 +153,19 @@ rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes
                            int64_t head_size) {
   rome::TensorView v = mutable_view(t, name);
   const int64_t extra = t.dim() - token_axes;
-  const std::string expected = "[T, H*" + std::to_string(head_size) + "], [T, H, " +
-                               std::to_string(head_size) + "] or [B, S, H*" +
-                               std::to_string(head_size) + "] matching positions' axes";
+  // Built only on failure: a decode step calls this twice.
+  auto fail_shape = [&] {
+    const std::string h = std::to_string(head_size);
+    rome::fail(
+        rome::Status::invalid_argument, name,
+        "[T, H*" + h + "], [T, H, " + h + "] or [B, S, H*" + h + "] matching positions' axes",
+        shape_of(t));
+  };
   if (extra == 2) {
-    if (t.size(-1) != head_size)
-      rome::fail(rome::Status::invalid_argument, name, expected, shape_of(t));
+    if (t.size(-1) != head_size) fail_shape();
     return v;
   }
-  if (extra != 1 || token_axes + 2 > rome::kMaxRank)
-    rome::fail(rome::Status::invalid_argument, name, expected, shape_of(t));
+  if (extra != 1 || token_axes + 2 > rome::kMaxRank) fail_shape();
   const int64_t last = t.size(-1);
   if (last % head_size != 0)
     rome::fail(rome::Status::invalid_argument, name,
