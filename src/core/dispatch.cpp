@@ -133,10 +133,10 @@ const kernels::KernelTable& active_kernels() noexcept {
     return *table;
   switch (Isa(active_isa_value().load(std::memory_order_relaxed))) {
 #ifdef ROME_HAVE_AMX
-    case Isa::amx: return kernels::amx_kernels();
+    case Isa::amx: return kernels::amx_kernels(cpu_features().avx512_bf16);
 #endif
 #ifdef ROME_HAVE_AVX512
-    case Isa::avx512: return kernels::avx512_kernels();
+    case Isa::avx512: return kernels::avx512_kernels(cpu_features().avx512_bf16);
 #endif
 #ifdef ROME_HAVE_AVX2
     case Isa::avx2: return kernels::avx2_kernels();

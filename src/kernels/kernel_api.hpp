@@ -107,11 +107,13 @@ struct KernelTable {
   CosSinFn cos_sin;                    // table-free RoPE's angles
 };
 
-// One per ISA, each defined in its own object library compiled with that ISA's flags.
+// One per ISA, each defined in its own object library compiled with that ISA's flags. Feature bits
+// beyond the ISA come in as arguments (the core reads CPUID; kernels never ask):
+// avx512_bf16 = the CPU has AVX512-BF16, whose vcvtne(2)ps2bf16 narrows bf16 rows.
 const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
-const KernelTable& avx512_kernels();
-const KernelTable& amx_kernels();
+const KernelTable& avx512_kernels(bool avx512_bf16);
+const KernelTable& amx_kernels(bool avx512_bf16);
 
 void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);

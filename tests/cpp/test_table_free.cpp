@@ -30,7 +30,7 @@ std::vector<const kernels::KernelTable*> kernel_tables() {
   if (isa_compiled(Isa::avx2) && detected_isa() >= Isa::avx2)
     out.push_back(&kernels::avx2_kernels());
   if (isa_compiled(Isa::avx512) && detected_isa() >= Isa::avx512)
-    out.push_back(&kernels::avx512_kernels());
+    out.push_back(&kernels::avx512_kernels(false));
   return out;
 }
 

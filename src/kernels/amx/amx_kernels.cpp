@@ -56,15 +56,19 @@ struct HardwareTiles {
 
 }  // namespace
 
-const KernelTable& amx_kernels() {
-  static const KernelTable table{"amx",
-                                 avx512_kernels().forward_permute,
-                                 amx::forward_dense_any<HardwareTiles>,
-                                 avx512_accumulate_product,
-                                 avx512_kernels().permute_table_layout,
-                                 avx512_kernels().forward_norm_permute,
-                                 avx512_kernels().cos_sin};
-  return table;
+const KernelTable& amx_kernels(bool avx512_bf16) {
+  auto make = [](const KernelTable& avx512) {
+    return KernelTable{"amx",
+                       avx512.forward_permute,
+                       amx::forward_dense_any<HardwareTiles>,
+                       avx512_accumulate_product,
+                       avx512.permute_table_layout,
+                       avx512.forward_norm_permute,
+                       avx512.cos_sin};
+  };
+  static const KernelTable table = make(avx512_kernels(false));
+  static const KernelTable table_bf16 = make(avx512_kernels(true));
+  return avx512_bf16 ? table_bf16 : table;
 }
 
 }  // namespace rome::kernels

@@ -62,13 +62,15 @@ struct EmulatedTiles {
 }  // namespace
 
 const KernelTable& amx_emulated_kernels() {
+  // The permute kernels narrow bf16 in integer arithmetic (the same bits as with AVX512-BF16):
+  // this table exists for the dense tile model.
   static const KernelTable table{"amx-emulated",
-                                 avx512_kernels().forward_permute,
+                                 avx512_kernels(false).forward_permute,
                                  amx::forward_dense_any<EmulatedTiles>,
                                  avx512_accumulate_product,
-                                 avx512_kernels().permute_table_layout,
-                                 avx512_kernels().forward_norm_permute,
-                                 avx512_kernels().cos_sin};
+                                 avx512_kernels(false).permute_table_layout,
+                                 avx512_kernels(false).forward_norm_permute,
+                                 avx512_kernels(false).cos_sin};
   return table;
 }
 

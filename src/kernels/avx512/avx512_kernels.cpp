@@ -32,7 +32,6 @@
 #include <vector>
 
 #include "../../core/convert.hpp"
-#include "../../core/dispatch.hpp"
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 #include "../kernel_support.hpp"
@@ -571,23 +570,26 @@ void forward_bf16_insn(const RotationData& r, const ForwardTile& b) {
   forward_impl<DType::bf16, NarrowBf16Insn>(r, b);
 }
 
+template <bool kBf16Instructions>
 void forward_permute_any(const RotationData& r, const ForwardTile& b) {
-  static const bool bf16_insn = detail::cpu_features().avx512_bf16;
   switch (b.dtype) {
     case DType::f32: return forward_f32(r, b);
     case DType::f16: return forward_f16(r, b);
-    case DType::bf16: return bf16_insn ? forward_bf16_insn(r, b) : forward_bf16(r, b);
+    case DType::bf16: return kBf16Instructions ? forward_bf16_insn(r, b) : forward_bf16(r, b);
     default: return scalar_kernels().forward_permute(r, b);
   }
 }
 
 }  // namespace
 
-const KernelTable& avx512_kernels() {
+const KernelTable& avx512_kernels(bool avx512_bf16) {
   static const KernelTable table{
-      "avx512", forward_permute_any,       avx512_forward_dense, avx512_accumulate_product,
+      "avx512", forward_permute_any<false>, avx512_forward_dense, avx512_accumulate_product,
+      nullptr,  avx2_forward_norm_permute,  avx512_cos_sin};
+  static const KernelTable table_bf16{
+      "avx512", forward_permute_any<true>, avx512_forward_dense, avx512_accumulate_product,
       nullptr,  avx2_forward_norm_permute, avx512_cos_sin};
-  return table;
+  return avx512_bf16 ? table_bf16 : table;
 }
 
 }  // namespace rome::kernels

@@ -38,7 +38,7 @@ struct NarrowExact {
 // vcvtneps2bf16 rounds to nearest even and quietens NaN exactly like float_to_bf16 (checked
 // over every fp32 input) but flushes subnormal inputs to zero; those vectors go the exact way.
 // Emitted as inline assembly: the object library is not built with -mavx512bf16, and this path
-// only runs when cpu_features().avx512_bf16 is set.
+// is only in the table the core picks for a CPU with AVX512-BF16 (avx512_kernels(true)).
 struct NarrowBf16Insn {
   static constexpr bool kPairs = true;
   static ROME_INLINE __m256i narrow(__m512 v) {
