@@ -47,6 +47,8 @@ DEFAULT_VARIANTS = [
     Variant("half_3d", "half 3D 44/44/40", "half", [44, 44, 40]),
     Variant("wan_3d", "interleave 3D 44/42/42", "interleave", [44, 42, 42]),
     Variant("positions", "half 1D, positions", "half", cache=True),
+    # What transformers' rotary modules and vLLM's cos_sin_cache hand over in a bf16 model.
+    Variant("half_bf16_tables", "half 1D, bf16 tables", "half", table_dtype=torch.bfloat16),
 ]
 FULL_VARIANTS = DEFAULT_VARIANTS + [
     Variant("quarter", "quarter", "quarter"),
@@ -54,8 +56,9 @@ FULL_VARIANTS = DEFAULT_VARIANTS + [
     Variant("partial", "half, partial 64 of 128", "half", rotary_dim=64),
     Variant("interleave_half", "interleave-half (MLA)", "interleave_half"),
     Variant("half_fp16", "half 1D, fp16 x", "half", x_dtype=torch.float16),
+    Variant("half_fp16_tables", "half 1D, fp16 x and tables", "half", x_dtype=torch.float16,
+            table_dtype=torch.float16),
     Variant("half_fp32", "half 1D, fp32 x", "half", x_dtype=torch.float32),
-    Variant("half_bf16_tables", "half 1D, bf16 tables", "half", table_dtype=torch.bfloat16),
 ]
 LAYOUTS = ["bnsd", "bsnd", "packed"]
 
