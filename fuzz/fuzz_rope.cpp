@@ -40,6 +40,7 @@
 #include <numeric>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/convert.hpp"
@@ -1216,41 +1217,60 @@ i64 column_of(const Case& c, i64 lane, i64 columns) {
                                          : lane / 2;
 }
 
-// C and S for the x row at idx (x's indices without the head axis).
-void table_row(const Case& c, const World& w, const i64* idx, int axes, float* cs, float* sn) {
+// The byte offsets of C and S of lane j for the x row at idx (x's indices without the head axis).
+std::pair<i64, i64> table_element(const Case& c, const World& w, const i64* idx, int axes, i64 j) {
   const TensorDesc &cos = c.t[COS], &sin = c.t[SIN];
   const i64 columns = cos.shape[cos.rank - 1];
-  for (i64 j = 0; j < c.rd; ++j) {
-    const i64 col = column_of(c, j, columns);
-    i64 ci[kMaxRank] = {}, si[kMaxRank] = {};
-    if (!c.gather()) {
-      const int t_axes = cos.rank - 1;
-      for (int i = 0; i < t_axes; ++i) {
-        const i64 x = idx[axes - t_axes + i];
-        ci[i] = cos.shape[i] == 1 ? 0 : x;
-        si[i] = sin.shape[i] == 1 ? 0 : x;
-      }
-      ci[t_axes] = si[t_axes] = col;
-    } else {
-      const TensorDesc& p = c.t[POS];
-      i64 pi[kMaxRank] = {};
-      for (int i = 0; i < axes; ++i) pi[i] = p.shape[i] == 1 ? 0 : idx[i];
-      if (!c.column_axis.empty()) pi[axes] = c.column_axis[col];
-      ci[0] = si[0] = load_position(c, w, pi);
-      ci[1] = si[1] = col;
+  const i64 col = column_of(c, j, columns);
+  i64 ci[kMaxRank] = {}, si[kMaxRank] = {};
+  if (!c.gather()) {
+    const int t_axes = cos.rank - 1;
+    for (int i = 0; i < t_axes; ++i) {
+      const i64 x = idx[axes - t_axes + i];
+      ci[i] = cos.shape[i] == 1 ? 0 : x;
+      si[i] = sin.shape[i] == 1 ? 0 : x;
     }
-    cs[j] = load_f(cos.dtype, w[cos.arena].data() + elem_offset(cos, ci));
-    sn[j] = load_f(sin.dtype, w[sin.arena].data() + elem_offset(sin, si));
+    ci[t_axes] = si[t_axes] = col;
+  } else {
+    const TensorDesc& p = c.t[POS];
+    i64 pi[kMaxRank] = {};
+    for (int i = 0; i < axes; ++i) pi[i] = p.shape[i] == 1 ? 0 : idx[i];
+    if (!c.column_axis.empty()) pi[axes] = c.column_axis[col];
+    ci[0] = si[0] = load_position(c, w, pi);
+    ci[1] = si[1] = col;
+  }
+  return {elem_offset(cos, ci), elem_offset(sin, si)};
+}
+
+// C and S for the x row at idx, as fp32.
+void table_row(const Case& c, const World& w, const i64* idx, int axes, float* cs, float* sn) {
+  const TensorDesc &cos = c.t[COS], &sin = c.t[SIN];
+  for (i64 j = 0; j < c.rd; ++j) {
+    const auto [co, so] = table_element(c, w, idx, axes, j);
+    cs[j] = load_f(cos.dtype, w[cos.arena].data() + co);
+    sn[j] = load_f(sin.dtype, w[sin.arena].data() + so);
+  }
+}
+
+// The same, as the tables' own bytes (their dtypes decide the epilogue: kernel_api.hpp's
+// exact_products).
+void table_row_bytes(const Case& c, const World& w, const i64* idx, int axes, std::uint8_t* cs,
+                     std::uint8_t* sn) {
+  const TensorDesc &cos = c.t[COS], &sin = c.t[SIN];
+  for (i64 j = 0; j < c.rd; ++j) {
+    const auto [co, so] = table_element(c, w, idx, axes, j);
+    std::memcpy(cs + j * cos.es(), w[cos.arena].data() + co, std::size_t(cos.es()));
+    std::memcpy(sn + j * sin.es(), w[sin.arena].data() + so, std::size_t(sin.es()));
   }
 }
 
 // Forward reference. The harness gathers every row itself (x through its strides; C and S through
-// its own broadcast / positions / column_axis / width logic, as fp32) into contiguous buffers and
-// runs those through the scalar kernel with plain full-width direct tables, then scatters the
-// result through the output's strides. So every stride, broadcast, gather and aliasing path of
-// the call under test is checked against independent indexing, while the per-element arithmetic
-// is the scalar kernel's (the contract every ISA matches bit for bit; test_rope.cpp checks it
-// against a double reference).
+// its own broadcast / positions / column_axis / width logic, in their dtypes) into contiguous
+// buffers and runs those through the scalar kernel with plain full-width direct tables, then
+// scatters the result through the output's strides. So every stride, broadcast, gather and aliasing
+// path of the call under test is checked against independent indexing, while the per-element
+// arithmetic is the scalar kernel's (the contract every ISA matches bit for bit; test_rope.cpp
+// checks it against a double reference).
 void forward_reference(const Case& c, const World& w0, World& expect, int in_slot, int out_slot) {
   const TensorDesc& in = c.t[in_slot];
   const TensorDesc& out = c.t[out_slot];
@@ -1260,10 +1280,12 @@ void forward_reference(const Case& c, const World& w0, World& expect, int in_slo
   for (int i = 0; i < axes; ++i) rows *= in.shape[i];
   if (rows <= 0 || hd <= 0) return;
   std::vector<std::uint8_t> x(rows * hd * es), y(rows * hd * es);
-  std::vector<float> cs(rows * std::max<i64>(rd, 1)), sn(rows * std::max<i64>(rd, 1));
+  const TensorDesc &cos = c.t[COS], &sin = c.t[SIN];
+  std::vector<std::uint8_t> cs(rows * std::max<i64>(rd, 1) * cos.es()),
+      sn(rows * std::max<i64>(rd, 1) * sin.es());
   i64 r = 0, full[kMaxRank] = {};
   for_each_index(axes, in.shape, [&](const i64* idx) {
-    table_row(c, w0, idx, axes, cs.data() + r * rd, sn.data() + r * rd);
+    table_row_bytes(c, w0, idx, axes, cs.data() + r * rd * cos.es(), sn.data() + r * rd * sin.es());
     std::copy(idx, idx + axes, full);
     for (i64 j = 0; j < hd; ++j) {
       full[axes] = j;
@@ -1272,8 +1294,8 @@ void forward_reference(const Case& c, const World& w0, World& expect, int in_slo
     ++r;
   });
   Tables t;
-  t.cos = make_view<const void*>(cs.data(), DType::f32, {rows, rd});
-  t.sin = make_view<const void*>(sn.data(), DType::f32, {rows, rd});
+  t.cos = make_view<const void*>(cs.data(), cos.dtype, {rows, rd});
+  t.sin = make_view<const void*>(sn.data(), sin.dtype, {rows, rd});
   t.inverse = c.inverse;
   ExecOptions one;
   one.num_threads = 1;
