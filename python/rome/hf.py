@@ -19,7 +19,9 @@
   inv_freq) · attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
   the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin exact
   to fp32 at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
-  modules (Qwen2-VL's section selection) are left alone and listed in ``skipped``.
+  rotary modules (Qwen2-VL and Qwen2.5-VL sections, Qwen3-VL's interleave) get the same builder on
+  their three position axes, each column taken from the axis the module's own
+  ``recomposition_frequencies`` selects for it; other rotary modules are listed in ``skipped``.
 
 Results equal transformers' function: same output shapes and dtypes (for Llama's, the promoted
 dtype of q and the tables, as ``q * cos`` gives; for up-casting forms, q's), with the values of
@@ -367,6 +369,23 @@ def forward(self, x, position_ids):
 """,
 )
 
+# MRoPE rotary embedding forwards (Qwen2-VL, Qwen2.5-VL, Qwen3-VL text in transformers 5.x): the
+# Llama formula per position axis (t, h, w), then recomposition_frequencies picks for every
+# frequency the axis it follows (sections, or Qwen3-VL's interleave) and repeats the half.
+_MROPE_FORWARD_BODIES = (
+    """
+def forward(self, x, position_ids):
+    position_ids = position_ids.expand(3, -1, -1)
+    freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+    cos = freqs.cos() * self.attention_scaling
+    sin = freqs.sin() * self.attention_scaling
+
+    sin = self.recomposition_frequencies(sin)
+    cos = self.recomposition_frequencies(cos)
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+""",
+)
+
 # transformers modeling modules (by file name) whose apply_rotary_pos_emb (or MLA
 # apply_rotary_pos_emb_interleave) RoME does not serve, with why. Empty for transformers 5.23: all
 # 190 of its importable modules defining either function are served.
@@ -379,6 +398,7 @@ _key_of = forms.key_of
 _source_of = forms.source_of
 _LLAMA_KEY = _key_of(_LLAMA_BODY)
 _ROTARY_FORWARD_KEYS = {_key_of(src) for src in _ROTARY_FORWARD_BODIES}
+_MROPE_FORWARD_KEYS = {_key_of(src) for src in _MROPE_FORWARD_BODIES}
 _PARTIAL_KEYS = {_key_of(src) for src in _PARTIAL_BODIES}
 
 
@@ -452,13 +472,44 @@ def _exact_rotary_forward(self, x, position_ids):
                                dtype=x.dtype)
 
 
-def _rotary_reason(sub: torch.nn.Module) -> Optional[str]:
-    """None when `sub` is a Llama-style rotary module RoME serves, else why not."""
+def _mrope_axes(module: torch.nn.Module) -> torch.Tensor:
+    """For every output column of an MRoPE module, the position axis (0, 1, 2: t, h, w) it takes,
+    found by running the module's own recomposition_frequencies on the axis numbers: whatever
+    sections or interleave it applies, the same selection comes out."""
+    half = module.inv_freq.numel()
+    probe = torch.arange(3, dtype=torch.float32).view(3, 1, 1, 1).expand(3, 1, 1, half).clone()
+    axes = module.recomposition_frequencies(probe).reshape(-1)
+    if axes.numel() != 2 * half or not bool(((axes == 0) | (axes == 1) | (axes == 2)).all()):
+        raise ValueError("recomposition_frequencies does not select one axis per column")
+    return axes.to(torch.int64)
+
+
+@torch.no_grad()
+def _exact_mrope_forward(self, x, position_ids):
+    """An MRoPE rotary module's forward on RoME's exact table builder: cos/sin of every axis's
+    positions (one call for the three axes), then each column from its axis."""
+    if x.device.type != "cpu" or position_ids.device.type != "cpu":
+        return self._rome_original_forward(x, position_ids)
+    scaling = float(getattr(self, "attention_scaling", 1.0))
+    positions = position_ids.expand(3, -1, -1)
+    cos, sin = rome_tables.cos_sin(positions, self.inv_freq, "half", amplitude=scaling,
+                                   dtype=torch.float32)
+    index = self._rome_mrope_axes.view(1, 1, 1, -1).expand(1, *cos.shape[1:])
+    cos = torch.gather(cos, 0, index)[0]
+    sin = torch.gather(sin, 0, index)[0]
+    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+
+def _rotary_kind(sub: torch.nn.Module):
+    """("llama" | "mrope", None) when `sub` is a rotary module RoME serves, else (None, why)."""
     if not isinstance(getattr(sub, "inv_freq", None), torch.Tensor):
-        return "no inv_freq buffer"
-    if _key_of(_source_of(type(sub).forward) or "") not in _ROTARY_FORWARD_KEYS:
-        return "forward differs from the Llama rotary module's (MRoPE or other math)"
-    return None
+        return None, "no inv_freq buffer"
+    key = _key_of(_source_of(type(sub).forward) or "")
+    if key in _ROTARY_FORWARD_KEYS:
+        return "llama", None
+    if key in _MROPE_FORWARD_KEYS and callable(getattr(sub, "recomposition_frequencies", None)):
+        return "mrope", None
+    return None, "forward differs from the Llama and MRoPE rotary modules' (other math)"
 
 
 def _patch_rotary(model: torch.nn.Module):
@@ -471,13 +522,21 @@ def _patch_rotary(model: torch.nn.Module):
         if not type(sub).__name__.endswith("RotaryEmbedding") or "_rome_original_forward" in \
                 sub.__dict__:
             continue
-        reason = _rotary_reason(sub)
-        if reason is not None:
+        kind, reason = _rotary_kind(sub)
+        if kind == "mrope":
+            try:
+                axes = _mrope_axes(sub)
+            except Exception as e:  # noqa: BLE001 - any failure: leave the module alone
+                kind, reason = None, f"MRoPE recomposition not understood ({e})"
+        if kind is None:
             skipped[type(sub).__module__ + "." + type(sub).__name__] = reason
             continue
         original = sub.forward
         updates = hasattr(type(sub).forward, "__wrapped__") and dynamic_rope_update is not None
-        forward = dynamic_rope_update(_exact_rotary_forward) if updates else _exact_rotary_forward
+        exact = _exact_mrope_forward if kind == "mrope" else _exact_rotary_forward
+        forward = dynamic_rope_update(exact) if updates else exact
+        if kind == "mrope":
+            sub._rome_mrope_axes = axes
         sub._rome_original_forward = original
         sub.forward = forward.__get__(sub)
         patched.append((name, sub))
@@ -520,6 +579,7 @@ class HFPatch:
             for _, sub in self._rotary:
                 sub.__dict__.pop("forward", None)
                 sub.__dict__.pop("_rome_original_forward", None)
+                sub.__dict__.pop("_rome_mrope_axes", None)
             for name in self.patched:
                 entry = _ACTIVE.get(name)
                 if entry is None or entry is not self._entries.get(name):
@@ -604,9 +664,9 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
     The patch is per modeling module, so it affects every model of that architecture in the
     process until undone. Patches nest (a module is restored when its last patch is undone).
 
-    With ``rotary=True`` the model's own Llama-style rotary embedding modules (this model only)
-    compute cos/sin with :func:`rome.tables.cos_sin` (exact to fp32 at any position; see the
-    module docstring); ``handle.rotary_patched`` names them.
+    With ``rotary=True`` the model's own Llama-style and MRoPE rotary embedding modules (this
+    model only) compute cos/sin with :func:`rome.tables.cos_sin` (exact to fp32 at any position;
+    see the module docstring); ``handle.rotary_patched`` names them.
 
     Returns:
         :class:`HFPatch`: ``handle.undo()`` restores the originals; ``with patch_model(m): ...``

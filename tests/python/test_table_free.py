@@ -352,6 +352,10 @@ def _rotary_module(rope_parameters):
     {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
      "high_freq_factor": 4.0, "original_max_position_embeddings": 512},
     {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    # Phi-3's: the long factors (positions past the original 512) replace inv_freq before the
+    # forward, and attention_scaling grows with the context ratio.
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+     "long_factor": [1.0 + 0.25 * i for i in range(32)], "original_max_position_embeddings": 512},
 ])
 def test_hf_rotary_module_patched_is_exact(rope_parameters):
     model = _rotary_module(rope_parameters)
@@ -366,6 +370,8 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
         # After the call: dynamic types have updated inv_freq for the sequence, as unpatched.
         inv = rotary.inv_freq.double()
         scale = float(rotary.attention_scaling)
+        if rope_parameters["rope_type"] == "longrope":  # the long factors are in use
+            assert not torch.equal(rotary.inv_freq, rotary.original_inv_freq) and scale > 1.0
         angle = pid[0].double()[:, None] * torch.cat([inv, inv])[None]
         for got, unpatched, ref in ((cos1, cos0, scale * torch.cos(angle)),
                                     (sin1, sin0, scale * torch.sin(angle))):
@@ -378,6 +384,61 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
     finally:
         handle.undo()
     assert "forward" not in rotary.__dict__
+    cos2, _ = rotary(x, pid)
+    assert torch.equal(cos2, cos0)
+
+
+def _mrope_axis_reference(kind, mrope_section, half):
+    """The position axis of each frequency, written out independently of transformers."""
+    if kind == "qwen2_vl":  # sections in order: t, then h, then w
+        return [a for a, n in enumerate(mrope_section) for _ in range(n)]
+    axes = [0] * half  # qwen3_vl: interleaved t h w t h w ..., t past the h/w sections
+    for a in (1, 2):
+        for i in range(a, 3 * mrope_section[a], 3):
+            axes[i] = a
+    return axes
+
+
+@pytest.mark.parametrize("kind", ["qwen2_vl", "qwen3_vl"])
+def test_hf_mrope_rotary_module_patched_is_exact(kind):
+    transformers = pytest.importorskip("transformers")
+    if kind == "qwen2_vl":
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as modeling
+        config = transformers.Qwen2VLTextConfig(hidden_size=256, num_attention_heads=2,
+                                                num_key_value_heads=1, num_hidden_layers=1)
+        rotary = modeling.Qwen2VLRotaryEmbedding(config)
+    else:
+        from transformers.models.qwen3_vl import modeling_qwen3_vl as modeling
+        config = transformers.Qwen3VLTextConfig(hidden_size=256, num_attention_heads=2,
+                                                num_key_value_heads=1, num_hidden_layers=1,
+                                                head_dim=128)
+        rotary = modeling.Qwen3VLTextRotaryEmbedding(config)
+    model = torch.nn.ModuleDict({"rotary_emb": rotary})
+    x = torch.randn(1, 1, 256)
+    # Different t, h and w positions per token, up to 10^7.
+    pid = torch.tensor([[[0, 7, 4095, 10**6, 10**7]], [[1, 3, 100, 2000, 9_999_999]],
+                        [[2, 5, 17, 123_456, 5_000_001]]])
+    cos0, sin0 = rotary(x, pid)
+    handle = rome.hf.patch_model(model)
+    try:
+        assert handle.rotary_patched == ["rotary_emb"], handle.skipped
+        cos1, sin1 = rotary(x, pid)
+        inv = rotary.inv_freq.double()
+        axes = _mrope_axis_reference(kind, list(rotary.mrope_section), inv.numel()) * 2
+        angle = torch.stack([pid[a, 0].double() * f for a, f in zip(axes, torch.cat([inv, inv]))],
+                            dim=-1)
+        scale = float(rotary.attention_scaling)
+        for got, unpatched, ref in ((cos1, cos0, scale * torch.cos(angle)),
+                                    (sin1, sin0, scale * torch.sin(angle))):
+            assert got.shape == unpatched.shape and got.dtype == unpatched.dtype
+            assert (got[0].double() - ref).abs().max() <= 3e-7 * max(scale, 1.0)
+            # transformers' fp32 angle is off at 10^6 and beyond; at positions below 8 the two
+            # agree (so the reference picks the axes as transformers does).
+            assert (unpatched[0].double() - ref).abs().max() > 1e-3
+            assert (unpatched[0, :2].double() - ref[:2]).abs().max() <= 1e-5
+    finally:
+        handle.undo()
+    assert "forward" not in rotary.__dict__ and "_rome_mrope_axes" not in rotary.__dict__
     cos2, _ = rotary(x, pid)
     assert torch.equal(cos2, cos0)
 
