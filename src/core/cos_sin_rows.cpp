@@ -22,13 +22,15 @@ void exact_cos_sin_rows(std::span<const std::int64_t> positions,
       detail::fail_angle(positions[r], largest, "index " + std::to_string(r));
   if (positions.empty() || !cos || !sin) return;  // null outputs: validation only
   const kernels::CosSinFn kernel = detail::active_kernels().cos_sin;
-  // A few rows per kernel call: positions repeated per frequency, frequencies per row.
-  constexpr std::int64_t kRows = 32;
+  // A few rows per kernel call: positions repeated per frequency, frequencies per row. Buffers
+  // for no more rows than there are (one decode position: n of each, not 32·n).
+  constexpr std::int64_t kMaxRows = 32;
+  const std::int64_t rows = std::int64_t(positions.size());
+  const std::int64_t kRows = std::min(kMaxRows, rows);
   std::vector<double> p(std::size_t(kRows * n)), f(std::size_t(kRows * n));
   std::vector<float> c(std::size_t(kRows * n)), s(std::size_t(kRows * n));
   for (std::int64_t r = 0; r < kRows; ++r)
     std::copy(frequencies.begin(), frequencies.end(), f.begin() + r * n);
-  const std::int64_t rows = std::int64_t(positions.size());
   for (std::int64_t r0 = 0; r0 < rows; r0 += kRows) {
     const std::int64_t m = std::min(kRows, rows - r0);
     for (std::int64_t r = 0; r < m; ++r)
