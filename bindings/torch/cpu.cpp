@@ -150,7 +150,8 @@ std::tuple<Tensor, Tensor> rope_from_positions_backward_cpu(
   });
 }
 
-// The exact table builder: [*positions.shape, 2·n] fp32 cos and sin (half or pairs layout).
+// The exact table builder: [*positions.shape, 2·n] cos and sin (half or pairs layout) in dtype
+// (default fp32).
 std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& inv_freq,
                                        c10::string_view layout, double amplitude,
                                        std::optional<at::ScalarType> dtype) {
@@ -167,21 +168,39 @@ std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& in
     const int64_t n = int64_t(frequencies.size()), rows = pos.numel();
     std::vector<int64_t> shape = to_vec(positions.sizes());
     shape.push_back(2 * n);
-    Tensor cos = at::empty(shape, positions.options().dtype(at::kFloat));
-    Tensor sin = at::empty(shape, positions.options().dtype(at::kFloat));
+    const at::ScalarType out_dtype = dtype.value_or(at::kFloat);
+    // 16-bit outputs are written directly (rounded to nearest even, as Tensor.to rounds), not
+    // through fp32 tensors and two more dispatched copies: a decode step builds one row.
+    // Any other dtype (float64, ...) is the fp32 result converted by Tensor.to.
+    const bool narrow = out_dtype == at::kBFloat16 || out_dtype == at::kHalf;
+    const at::ScalarType fill_dtype = narrow ? out_dtype : at::kFloat;
+    Tensor cos = at::empty(shape, positions.options().dtype(fill_dtype));
+    Tensor sin = at::empty(shape, positions.options().dtype(fill_dtype));
     const int64_t* p = pos.data_ptr<int64_t>();
     const std::span<const double> f(frequencies);
     // Validate everything once on this thread, then fill the rows in parallel.
     rome::exact_cos_sin_rows({p, size_t(rows)}, f, amplitude, layout == "pairs", nullptr, nullptr);
-    float* c = cos.data_ptr<float>();
-    float* s = sin.data_ptr<float>();
     const bool pairs = layout == "pairs";
     at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-      rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs,
-                               c + begin * 2 * n, s + begin * 2 * n);
+      const std::size_t count = std::size_t((end - begin) * 2 * n);
+      if (!narrow) {
+        rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs,
+                                 cos.data_ptr<float>() + begin * 2 * n,
+                                 sin.data_ptr<float>() + begin * 2 * n);
+        return;
+      }
+      std::vector<float> c(count), s(count);
+      rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs, c.data(),
+                               s.data());
+      auto* co = static_cast<uint16_t*>(cos.data_ptr()) + begin * 2 * n;
+      auto* so = static_cast<uint16_t*>(sin.data_ptr()) + begin * 2 * n;
+      const bool bf16 = out_dtype == at::kBFloat16;
+      for (std::size_t i = 0; i < count; ++i) {
+        co[i] = bf16 ? rome::tables::bf16_bits(c[i]) : rome::tables::fp16_bits(c[i]);
+        so[i] = bf16 ? rome::tables::bf16_bits(s[i]) : rome::tables::fp16_bits(s[i]);
+      }
     });
-    if (dtype.has_value() && *dtype != at::kFloat)
-      return std::make_tuple(cos.to(*dtype), sin.to(*dtype));
+    if (fill_dtype != out_dtype) return std::make_tuple(cos.to(out_dtype), sin.to(out_dtype));
     return std::make_tuple(cos, sin);
   });
 }

@@ -182,6 +182,19 @@ def test_cos_sin_builder_is_exact_where_fp32_tables_are_not(isa, layout):
     assert c2.shape == (2, 3, 128) and c2.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_cos_sin_in_other_dtypes_is_the_fp32_result_rounded(isa, dtype):
+    """16-bit tables are written directly (not through fp32 tensors): the same bits as
+    Tensor.to of the fp32 ones, over enough positions to meet every rounding case."""
+    inv = llama_inv_freq(128)
+    pos = torch.randint(-10**7, 10**7, (600,), generator=torch.Generator().manual_seed(3))
+    for layout in ("half", "pairs"):
+        c32, s32 = rome.tables.cos_sin(pos, inv, layout=layout, amplitude=0.75)
+        c, s = rome.tables.cos_sin(pos, inv, layout=layout, amplitude=0.75, dtype=dtype)
+        assert c.dtype == dtype and s.dtype == dtype
+        assert torch.equal(c, c32.to(dtype)) and torch.equal(s, s32.to(dtype))
+
+
 def test_autograd_is_the_transposed_rotation(isa):
     for rotation in ("half", "interleave", "interleave_half"):
         x = torch.randn(2, 3, 5, 32, requires_grad=True)
