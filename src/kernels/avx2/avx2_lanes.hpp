@@ -70,23 +70,35 @@ struct Lanes16 {
   }
 };
 
+// Round-to-nearest-even of fp32 lanes that are not NaN, to bf16 in their upper 16 bits.
+ROME_INLINE __m256i round_bf16_high_not_nan(__m256 v) {
+  const __m256i u = _mm256_castps_si256(v);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
+}
+
+// The same for any lane: a NaN is quietened as u | 0x00400000 (its upper half then is
+// (u >> 16) | 0x40).
+ROME_INLINE __m256i round_bf16_high(__m256 v) {
+  const __m256i q = _mm256_or_si256(_mm256_castps_si256(v), _mm256_set1_epi32(0x00400000));
+  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(round_bf16_high_not_nan(v)),
+                                              _mm256_castsi256_ps(q),
+                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
+}
+
+// The upper halves of 8 lanes as 8 packed 16-bit values.
+ROME_INLINE __m128i pack_high_halves(__m256i rounded) {
+  const __m256i h = _mm256_srli_epi32(rounded, 16);
+  return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+}
+
 // bf16: widening is a shift; narrowing is round to nearest even in integer arithmetic, NaN
 // quietened as (u >> 16) | 0x40, subnormals kept.
 struct Bf16 {
   static ROME_INLINE __m256 widen(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
   }
-  static ROME_INLINE __m128i narrow(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-    const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
-    const __m256 nan = _mm256_cmp_ps(v, v, _CMP_UNORD_Q);
-    const __m256i h = _mm256_srli_epi32(
-        _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q), nan)),
-        16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
-  }
+  static ROME_INLINE __m128i narrow(__m256 v) { return pack_high_halves(round_bf16_high(v)); }
 };
 
 // fp16: F16C conversions are exact both ways (round to nearest even, subnormals, overflow to
@@ -104,11 +116,7 @@ struct Fp16 {
 struct Bf16NanLowBitsZero {
   static ROME_INLINE __m256 widen(__m128i h) { return Bf16::widen(h); }
   static ROME_INLINE __m128i narrow(__m256 v) {
-    const __m256i u = _mm256_castps_si256(v);
-    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-    const __m256i h = _mm256_srli_epi32(
-        _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb), 16);
-    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+    return pack_high_halves(round_bf16_high_not_nan(v));
   }
 };
 
@@ -178,23 +186,6 @@ ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
           _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))))};
-}
-
-// fp32 lanes rounded to bf16 in their upper 16 bits (Bf16::narrow before its shift).
-ROME_INLINE __m256i round_bf16_high(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
-  const __m256i q = _mm256_or_si256(u, _mm256_set1_epi32(0x00400000));
-  return _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(r), _mm256_castsi256_ps(q),
-                                              _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
-}
-
-// Round-to-nearest-even of lanes that are not NaN (Bf16::narrow without its NaN case).
-ROME_INLINE __m256i round_bf16_high_not_nan(__m256 v) {
-  const __m256i u = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
-  return _mm256_add_epi32(_mm256_add_epi32(u, _mm256_set1_epi32(0x7fff)), lsb);
 }
 
 }  // namespace rome::kernels::avx2
