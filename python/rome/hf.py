@@ -492,12 +492,11 @@ def _exact_mrope_forward(self, x, position_ids):
         return self._rome_original_forward(x, position_ids)
     scaling = float(getattr(self, "attention_scaling", 1.0))
     positions = position_ids.expand(3, -1, -1)
+    # Rounded to x's dtype before the selection: picking a column commutes with rounding it.
     cos, sin = rome_tables.cos_sin(positions, self.inv_freq, "half", amplitude=scaling,
-                                   dtype=torch.float32)
+                                   dtype=x.dtype)
     index = self._rome_mrope_axes.view(1, 1, 1, -1).expand(1, *cos.shape[1:])
-    cos = torch.gather(cos, 0, index)[0]
-    sin = torch.gather(sin, 0, index)[0]
-    return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+    return torch.gather(cos, 0, index)[0], torch.gather(sin, 0, index)[0]
 
 
 def _rotary_kind(sub: torch.nn.Module):
