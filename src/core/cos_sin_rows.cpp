@@ -26,13 +26,13 @@ void exact_cos_sin_rows(std::span<const std::int64_t> positions,
   // for no more rows than there are (one decode position: n of each, not 32·n).
   constexpr std::int64_t kMaxRows = 32;
   const std::int64_t rows = std::int64_t(positions.size());
-  const std::int64_t kRows = std::min(kMaxRows, rows);
-  std::vector<double> p(std::size_t(kRows * n)), f(std::size_t(kRows * n));
-  std::vector<float> c(std::size_t(kRows * n)), s(std::size_t(kRows * n));
-  for (std::int64_t r = 0; r < kRows; ++r)
+  const std::int64_t block_rows = std::min(kMaxRows, rows);
+  std::vector<double> p(std::size_t(block_rows * n)), f(std::size_t(block_rows * n));
+  std::vector<float> c(std::size_t(block_rows * n)), s(std::size_t(block_rows * n));
+  for (std::int64_t r = 0; r < block_rows; ++r)
     std::copy(frequencies.begin(), frequencies.end(), f.begin() + r * n);
-  for (std::int64_t r0 = 0; r0 < rows; r0 += kRows) {
-    const std::int64_t m = std::min(kRows, rows - r0);
+  for (std::int64_t r0 = 0; r0 < rows; r0 += block_rows) {
+    const std::int64_t m = std::min(block_rows, rows - r0);
     for (std::int64_t r = 0; r < m; ++r)
       std::fill(p.begin() + r * n, p.begin() + (r + 1) * n, double(positions[r0 + r]));
     kernel(m * n, p.data(), f.data(), amplitude, c.data(), s.data());
