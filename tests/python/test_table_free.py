@@ -348,6 +348,22 @@ def test_cos_sin_op_opcheck_and_errors(isa):
         rome.tables.cos_sin(torch.arange(3), inv, layout="diagonal")
 
 
+def _assert_exact_tables(patched, unpatched, angle, scale, unpatched_off,
+                         unpatched_close_first=0):
+    """A patched rotary module's (cos, sin) [1, S, D] against amplitude·cos/sin(angle) [S, D]
+    in fp64, with the unpatched module's shapes and dtypes; unpatched_off: transformers' fp32
+    angle is off at the large positions; unpatched_close_first: its first rows agree."""
+    for got, old, ref in ((patched[0], unpatched[0], scale * torch.cos(angle)),
+                          (patched[1], unpatched[1], scale * torch.sin(angle))):
+        assert got.shape == old.shape and got.dtype == old.dtype
+        assert (got[0].double() - ref).abs().max() <= 3e-7 * max(scale, 1.0)
+        if unpatched_off:
+            assert (old[0].double() - ref).abs().max() > 1e-3
+        if unpatched_close_first:
+            rows = unpatched_close_first
+            assert (old[0, :rows].double() - ref[:rows]).abs().max() <= 1e-5
+
+
 def _rotary_module(rope_parameters):
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(hidden_size=128, intermediate_size=256, num_hidden_layers=1,
@@ -386,12 +402,9 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
         if rope_parameters["rope_type"] == "longrope":  # the long factors are in use
             assert not torch.equal(rotary.inv_freq, rotary.original_inv_freq) and scale > 1.0
         angle = pid[0].double()[:, None] * torch.cat([inv, inv])[None]
-        for got, unpatched, ref in ((cos1, cos0, scale * torch.cos(angle)),
-                                    (sin1, sin0, scale * torch.sin(angle))):
-            assert got.shape == unpatched.shape and got.dtype == unpatched.dtype
-            assert (got[0].double() - ref).abs().max() <= 3e-7 * max(scale, 1.0)
-            if rope_parameters["rope_type"] != "dynamic":  # dynamic rescales past 4096
-                assert (unpatched[0].double() - ref).abs().max() > 1e-3
+        # dynamic rescales past 4096, so its unpatched tables are not the reference's
+        _assert_exact_tables((cos1, sin1), (cos0, sin0), angle, scale,
+                             unpatched_off=rope_parameters["rope_type"] != "dynamic")
         with torch.no_grad():
             model(torch.randint(0, 64, (1, 6)))  # the model still runs end to end
     finally:
@@ -441,14 +454,10 @@ def test_hf_mrope_rotary_module_patched_is_exact(kind):
         angle = torch.stack([pid[a, 0].double() * f for a, f in zip(axes, torch.cat([inv, inv]))],
                             dim=-1)
         scale = float(rotary.attention_scaling)
-        for got, unpatched, ref in ((cos1, cos0, scale * torch.cos(angle)),
-                                    (sin1, sin0, scale * torch.sin(angle))):
-            assert got.shape == unpatched.shape and got.dtype == unpatched.dtype
-            assert (got[0].double() - ref).abs().max() <= 3e-7 * max(scale, 1.0)
-            # transformers' fp32 angle is off at 10^6 and beyond; at positions below 8 the two
-            # agree (so the reference picks the axes as transformers does).
-            assert (unpatched[0].double() - ref).abs().max() > 1e-3
-            assert (unpatched[0, :2].double() - ref[:2]).abs().max() <= 1e-5
+        # At positions below 8 the unpatched tables agree too (so the reference picks the axes
+        # as transformers does).
+        _assert_exact_tables((cos1, sin1), (cos0, sin0), angle, scale, unpatched_off=True,
+                             unpatched_close_first=2)
     finally:
         handle.undo()
     assert "forward" not in rotary.__dict__ and "_rome_mrope_axes" not in rotary.__dict__
