@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -56,6 +57,16 @@ std::vector<float> weight_values(const std::string& name, const ConstTensorView&
   return out;
 }
 
+// Every value has 16 zero low bits: it is a bf16 value, exactly.
+bool bf16_exact(const std::vector<float>& values) {
+  for (const float v : values) {
+    std::uint32_t bits;
+    std::memcpy(&bits, &v, sizeof bits);
+    if (bits & 0xffffu) return false;
+  }
+  return true;
+}
+
 int64_t load_slot(const ConstTensorView& s, int64_t t) {
   const int64_t off = t * s.strides[0];
   return s.dtype == DType::i32 ? int64_t(static_cast<const std::int32_t*>(s.data)[off])
@@ -101,8 +112,11 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
       detail::require_disjoint_views(q, "q", *w, name);
       detail::require_disjoint_views(k, "k", *w, name);
     }
-    q_norm = {q_weight.data(), norm->eps};
-    k_norm = {k_weight.data(), norm->eps};
+    // bf16 x, bf16 tables and a bf16-exact weight: x·C·w has at most 8 + 8 + 8 significant bits.
+    const bool bf16_tables =
+        dtype == DType::bf16 && detail::table_values(plan) == kernels::TableValues::bf16;
+    q_norm = {q_weight.data(), norm->eps, bf16_tables && bf16_exact(q_weight)};
+    k_norm = {k_weight.data(), norm->eps, bf16_tables && bf16_exact(k_weight)};
   }
 
   int64_t slots = 0;
@@ -188,10 +202,12 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
   const kernels::NormForwardFn norm_rotate = table.forward_norm_permute
                                                  ? table.forward_norm_permute
                                                  : kernels::scalar_kernels().forward_norm_permute;
-  // The norm kernels read natural rows; the plain ones may want their own lane order.
-  const kernels::TableLayout layout = !norm && table.permute_table_layout
-                                          ? table.permute_table_layout(rotation.data(), dtype)
-                                          : kernels::TableLayout::natural;
+  // Each kernel may want its own lane order (the scalar norm kernel has none: natural).
+  const kernels::TableLayoutFn layout_of = !norm                        ? table.permute_table_layout
+                                           : table.forward_norm_permute ? table.norm_table_layout
+                                                                        : nullptr;
+  const kernels::TableLayout layout =
+      layout_of ? layout_of(rotation.data(), dtype) : kernels::TableLayout::natural;
   const int64_t rd = rotation.rotary_dim();
   const int64_t stride = (rd + 15) / 16 * 16;
   const bool per_token = plan.outer_count > 0;

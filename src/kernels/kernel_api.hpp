@@ -76,16 +76,23 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 // Per-head RMSNorm fused with a signed-permutation rotation (QK-norm + RoPE). Each row of head_dim
 // lanes is normalised in fp32: ss = Σ x² in a fixed order (lane j into partial sum j % 8 by fma;
 // for bf16, each whole 16-lane chunk's even lanes 16c + 2k into partial sum k, then its odd lanes;
-// then ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), r = 1 / sqrt(ss / head_dim + eps), n = x·r; the
-// weight goes into the table row (common/norm_fold-inl.hpp: C'_j = C_j·w_a(j), S'_j = S_j·w_b(j),
-// once per row of tables, not per head), n is rotated on its first rotary_dim lanes with C', S'
-// exactly as ForwardFn rotates x (natural table layout, signs folded), lanes past rotary_dim are
-// n·w, and each lane is rounded once. Every ISA gives the same bits (where two NaNs meet in one
-// operation, which payload survives follows the compiler's operand order). In place (y == x) or
-// out of place.
+// then ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), r = 1 / sqrt(ss / head_dim + eps). The weight goes
+// into the table row (common/norm_fold-inl.hpp: C'_j = C_j·w_a(j), S'_j = S_j·w_b(j), once per
+// row of tables, not per head). Rotated lane j (j < rotary_dim; table rows in norm_table_layout's
+// order, signs folded) is y_j = r · (x_a(j)·C'_j + x_b(j)·S'_j): the sum of the raw lanes'
+// products, formed as ForwardFn's epilogue forms it (combine_lane_exact_product when
+// NormParams::exact_products, else combine_lane), then scaled once. Where that is not finite (r is
+// 0 or infinite, a product overflows, an input is inf or NaN) the lane is the normalised form
+// instead, combine_lane(x_a·r, C'_j, x_b·r, S'_j), so no overflow of an unnormalised product
+// reaches the output. Lanes past rotary_dim are (x·r)·w. Each lane is rounded once. Every ISA gives
+// the same bits (where two NaNs meet in one operation, which payload survives follows the
+// compiler's operand order). In place (y == x) or out of place.
 struct NormParams {
   const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
   float eps;
+  // x·C' is exact in fp32: bf16 x (8 significant bits) and C' = C·w with bf16 tables and
+  // bf16-exact weights (8 + 8 bits), 24 bits in all.
+  bool exact_products;
 };
 using NormForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile,
                                const NormParams& norm);
@@ -104,6 +111,7 @@ struct KernelTable {
   AccumulateProductFn accumulate_product;
   TableLayoutFn permute_table_layout;  // nullptr: natural
   NormForwardFn forward_norm_permute;  // nullptr: use the scalar kernel
+  TableLayoutFn norm_table_layout;     // of forward_norm_permute's tiles; nullptr: natural
   CosSinFn cos_sin;                    // table-free RoPE's angles
 };
 
@@ -122,8 +130,10 @@ void avx2_cos_sin(std::int64_t n, const double* position, const double* frequenc
 void avx512_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);
 
-// The AVX2 NormForwardFn, also used by the AVX-512 and AMX tables (they have no own yet).
+// The AVX2 NormForwardFn and its table layout, also used by the AVX-512 and AMX tables (they have
+// no own yet).
 void avx2_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,
                                const NormParams& norm);
+TableLayout avx2_norm_table_layout(const detail::RotationData& rotation, DType dtype);
 
 }  // namespace rome::kernels

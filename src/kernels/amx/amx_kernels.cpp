@@ -64,6 +64,7 @@ const KernelTable& amx_kernels(bool avx512_bf16) {
                        avx512_accumulate_product,
                        avx512.permute_table_layout,
                        avx512.forward_norm_permute,
+                       avx512.norm_table_layout,
                        avx512.cos_sin};
   };
   static const KernelTable table = make(avx512_kernels(false));

@@ -722,8 +722,8 @@ void forward_permute_any(const RotationData& r, const ForwardTile& b) {
 
 const KernelTable& avx2_kernels() {
   static const KernelTable table{
-      "avx2",       forward_permute_any,       avx2_forward_dense, avx2_accumulate_product,
-      table_layout, avx2_forward_norm_permute, avx2_cos_sin};
+      "avx2",       forward_permute_any,       avx2_forward_dense,     avx2_accumulate_product,
+      table_layout, avx2_forward_norm_permute, avx2_norm_table_layout, avx2_cos_sin};
   return table;
 }
 

@@ -1,16 +1,20 @@
-// AVX2 + FMA QK-norm + rotation (NormForwardFn): each row is widened into an fp32 buffer while
-// its sum of squares accumulates (8-lane fma accumulators in the contract's order; rows go four
-// at a time so their fma chains and square roots overlap), then rotated from the buffer times
-// 1/rms with the weight folded into the table row (once per row of tables, shared by every head
-// of a token). bf16 rows whose halves (or pairs) are whole 16-lane chunks go 16 lanes at a time
-// on even/odd splits, as the RoPE kernel's bf16 path does (unguarded epilogue, exact redo of a
-// chunk with a NaN); half rotations whose half is whole vectors and interleave rotations of whole
-// vectors run on 8-lane vectors; other sizes and signed permutations take the scalar kernel's
-// lane loop on the same buffer. Bit-identical to the scalar kernel: same operations, same order,
-// same epilogue (avx2::combine).
+// AVX2 + FMA QK-norm + rotation (NormForwardFn): pass 1 takes each row's sum of squares (8-lane
+// fma accumulators in the contract's order; rows go four at a time so their fma chains and
+// square roots overlap), pass 2 forms r·(x_a·C' + x_b·S') from the raw lanes with the weight
+// folded into the table row (once per row of tables, shared by every head of a token). bf16 rows
+// whose halves (or pairs) are whole 16-lane chunks go 16 lanes at a time on even/odd splits
+// with even/odd table rows, as the RoPE kernel's bf16 path does: no buffer (x is split again from
+// L1), one fma per lane when the products are exact, and no per-chunk test on rows that cannot
+// produce inf or NaN (FoldedRow::finite_rows_below; other rows redo a chunk with a non-finite
+// lane lane by lane). Half rotations whose half is whole vectors and interleave rotations of
+// whole vectors run on 8-lane vectors from an fp32 buffer; other sizes and signed permutations
+// take the scalar kernel's lane loop on the same buffer. Bit-identical to the scalar kernel: same
+// operations, same order, same epilogue.
 #include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../../core/convert.hpp"
@@ -53,86 +57,147 @@ ROME_INLINE float reduce(__m256 acc) {
   return _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
 }
 
+// Whether the tiles of this rotation and dtype take the bf16 even/odd path: bf16, rotary_dim and
+// head_dim multiples of 16, half (h a multiple of 16) or interleave. Its table rows then come in
+// even_odd_16 order (avx2_norm_table_layout asks the same question).
+bool bf16_even_odd(const RotationData& r, NormKind kind, DType dtype) {
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  return dtype == DType::bf16 && hd % 16 == 0 && rd % 16 == 0 &&
+         ((kind == NormKind::half && (rd / 2) % 16 == 0) || kind == NormKind::interleave);
+}
+
 // The table row of the tile's row n with the weight folded in (fold_norm_weight): refolded only
 // when the row changes (the fused executor hands one row to every head of a token). Half (h a
-// multiple of 8) and interleave rotations fold 8 lanes at a time: the same products as
-// fold_norm_weight, so the same bits. With even_odd, each 16-lane chunk of cw and sw holds its
-// even lanes, then its odd ones.
+// multiple of 8) and interleave rotations (rotary_dim a multiple of 8) fold 8 lanes at a time,
+// elementwise, from the weights laid out as the table rows are (weight_lanes: natural, or even/odd
+// per 16-lane chunk): the same products as fold_norm_weight, so the same bits.
 struct FoldedRow {
-  std::vector<float> buffer;
   const float* cos = nullptr;
   const float* sin = nullptr;
-  float* cw = nullptr;
-  float* sw = nullptr;
-  float* natural = nullptr;  // 2·rd floats of scratch for the even/odd reorder
-  NormKind kind = NormKind::other;
-  bool even_odd = false;
+  float* cw;
+  float* sw;
+  const float* weight_lanes;
+  NormKind kind;
+  bool vector_fold, even_odd;
+  std::int64_t head_dim;
+  // Rows whose sum of squares is at most this (and whose scale is finite) have no lane of
+  // r·(x_a·C' + x_b·S') that is inf or NaN, so they skip the per-chunk test: x is finite (its sum
+  // of squares is), |x_j| <= sqrt(ss), |C'_j| + |S'_j| <= m = max |cw| + max |sw|, and
+  // r <= sqrt(head_dim / ss); so every lane is at most sqrt(ss)·m <= 1e37 before scaling and
+  // sqrt(head_dim)·m <= 1e37 after (the 30x margin to FLT_MAX covers fp32's rounding of ss).
+  // -1 (no row) when m is too large or NaN.
+  float finite_rows_below = -1;
 
-  void reset(std::int64_t rd, NormKind k, bool split) {
-    if (buffer.size() < std::size_t(4 * rd)) buffer.assign(std::size_t(4 * rd), 0.0f);
-    cw = buffer.data();
-    sw = cw + rd;
-    natural = sw + rd;
-    cos = sin = nullptr;
-    kind = k;
-    even_odd = split;
+  // A local of each call (its table rows may sit where the last call's did), not a
+  // thread_local: members read through TLS cost a vzeroupper and a reload per row.
+  FoldedRow(float* cw_sw, const float* weights, const RotationData& r, NormKind k, bool eo)
+      : cw(cw_sw),
+        sw(cw_sw + r.rotary_dim),
+        weight_lanes(weights),
+        kind(k),
+        vector_fold((k == NormKind::half && (r.rotary_dim / 2) % kW == 0) ||
+                    (k == NormKind::interleave && r.rotary_dim % kW == 0)),
+        even_odd(eo),
+        head_dim(r.head_dim) {}
+
+  ROME_INLINE void update(const RotationData& r, const float* c, const float* s,
+                          const float* weight) {
+    if (c != cos || s != sin) refold(r, c, s, weight);
   }
-  void update(const RotationData& r, const float* c, const float* s, const float* weight) {
-    if (c == cos && s == sin) return;
-    const std::int64_t rd = r.rotary_dim;
-    float* to_cw = even_odd ? natural : cw;
-    float* to_sw = even_odd ? natural + rd : sw;
-    if (kind == NormKind::interleave && rd % kW == 0) {
-      for (std::int64_t j = 0; j < rd; j += kW) {
-        const __m256 w = _mm256_loadu_ps(weight + j);
-        _mm256_storeu_ps(to_cw + j, _mm256_mul_ps(_mm256_loadu_ps(c + j), w));
-        _mm256_storeu_ps(to_sw + j,
-                         _mm256_mul_ps(_mm256_loadu_ps(s + j), _mm256_permute_ps(w, 0xb1)));
+
+  [[gnu::noinline]] void refold(const RotationData& r, const float* c, const float* s,
+                                const float* weight) {
+    const std::int64_t rd = r.rotary_dim, h = rd / 2;
+    double m;
+    if (vector_fold) {
+      const __m256 abs_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+      __m256 most = _mm256_setzero_ps(), nan = _mm256_setzero_ps();
+      // Lanes [j, j + 8) with the weights of their A lanes (wa) and B lanes (wb).
+      auto fold = [&](std::int64_t j, __m256 wa, __m256 wb) {
+        const __m256 fc = _mm256_mul_ps(_mm256_loadu_ps(c + j), wa);
+        const __m256 fs = _mm256_mul_ps(_mm256_loadu_ps(s + j), wb);
+        _mm256_storeu_ps(cw + j, fc);
+        _mm256_storeu_ps(sw + j, fs);
+        most = _mm256_max_ps(most, _mm256_and_ps(fc, abs_mask));
+        most = _mm256_max_ps(most, _mm256_and_ps(fs, abs_mask));
+        nan = _mm256_or_ps(nan, _mm256_cmp_ps(fc, fs, _CMP_UNORD_Q));
+      };
+      const float* w = weight_lanes;
+      if (kind == NormKind::half) {  // B lane of j is j ± h, in either layout (h % 16 == 0)
+        for (std::int64_t j = 0; j < h; j += kW)
+          fold(j, _mm256_loadu_ps(w + j), _mm256_loadu_ps(w + j + h));
+        for (std::int64_t j = h; j < rd; j += kW)
+          fold(j, _mm256_loadu_ps(w + j), _mm256_loadu_ps(w + j - h));
+      } else if (even_odd) {  // B lanes of a chunk's even half are its odd half, and back
+        for (std::int64_t j = 0; j < rd; j += 16) {
+          const __m256 even = _mm256_loadu_ps(w + j), odd = _mm256_loadu_ps(w + j + kW);
+          fold(j, even, odd);
+          fold(j + kW, odd, even);
+        }
+      } else {
+        for (std::int64_t j = 0; j < rd; j += kW) {
+          const __m256 wa = _mm256_loadu_ps(w + j);
+          fold(j, wa, _mm256_permute_ps(wa, 0xb1));
+        }
       }
-    } else if (kind == NormKind::half && (rd / 2) % kW == 0) {
-      const std::int64_t h = rd / 2;
-      for (std::int64_t j = 0; j < rd; j += kW) {
-        const __m256 w = _mm256_loadu_ps(weight + j);
-        const __m256 w_partner = _mm256_loadu_ps(weight + (j < h ? j + h : j - h));
-        _mm256_storeu_ps(to_cw + j, _mm256_mul_ps(_mm256_loadu_ps(c + j), w));
-        _mm256_storeu_ps(to_sw + j, _mm256_mul_ps(_mm256_loadu_ps(s + j), w_partner));
-      }
+      // max_ps drops NaNs: they make m infinite.
+      m = _mm256_testz_ps(nan, nan) ? double(horizontal_max(most)) : INFINITY;
     } else {
-      fold_norm_weight(r, c, s, weight, to_cw, to_sw);
+      fold_norm_weight(r, c, s, weight, cw, sw);
+      m = double(max_abs(cw, rd)) + double(max_abs(sw, rd));
     }
-    if (even_odd) {
-      to_even_odd(natural, rd, cw);
-      to_even_odd(natural + rd, rd, sw);
-    }
+    // max |cw| + max |sw| <= 2 max(|cw|, |sw|): the vector fold's m is of both at once.
+    if (vector_fold) m *= 2;
+    finite_rows_below =
+        m * std::sqrt(double(head_dim)) <= 1e37
+            ? float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)))
+            : -1.0f;
     cos = c;
     sin = s;
   }
-  // n a multiple of 16: per chunk, the 8 even lanes, then the 8 odd ones.
-  static void to_even_odd(const float* in, std::int64_t n, float* out) {
-    for (std::int64_t c = 0; c < n; c += 16) {
-      const __m256 a = _mm256_loadu_ps(in + c), b = _mm256_loadu_ps(in + c + kW);
-      const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 a4..
-      const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-      constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);  // 64-bit pairs: a0a2 a4a6 b0b2 b4b6
-      _mm256_storeu_ps(out + c,
-                       _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), kOrder)));
-      _mm256_storeu_ps(out + c + kW,
-                       _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder)));
+
+  static float horizontal_max(__m256 v) {
+    float lanes[kW];
+    _mm256_storeu_ps(lanes, v);
+    float m = 0;
+    for (float l : lanes) m = std::max(m, l);
+    return m;
+  }
+  static float max_abs(const float* v, std::int64_t n) {
+    float m = 0;
+    for (std::int64_t j = 0; j < n; ++j) {
+      if (std::isnan(v[j])) return INFINITY;
+      m = std::max(m, std::fabs(v[j]));
     }
+    return m;
   }
 };
 
-// Pass 1 of G rows at once: row i widened into N + i·row_floats while its sum of squares
-// accumulates in its own register; scale[i] = 1 / rms of row i. The rows' fma chains (one per
-// row, in the contract's order) are independent, so interleaving them hides the fma latency one
-// row alone waits on, and the group's square roots overlap too. bf16 sums each whole 16-lane
-// chunk as its even lanes, then its odd ones (the contract); kEvenOdd also stores N that way,
-// else in lane order.
+// n a multiple of 16: per chunk, the 8 even lanes, then the 8 odd ones.
+void to_even_odd(const float* in, std::int64_t n, float* out) {
+  for (std::int64_t c = 0; c < n; c += 16) {
+    const __m256 a = _mm256_loadu_ps(in + c), b = _mm256_loadu_ps(in + c + kW);
+    const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 a4..
+    const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+    constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);  // 64-bit pairs: a0a2 a4a6 b0b2 b4b6
+    _mm256_storeu_ps(out + c,
+                     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), kOrder)));
+    _mm256_storeu_ps(out + c + kW,
+                     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder)));
+  }
+}
+
+// Pass 1 of G rows at once: scale[i] = 1 / rms of row i (and with kCopy, row i widened into
+// N + i·row_floats in lane order). The rows' fma chains (one per row, in the contract's order)
+// are independent, so interleaving them hides the fma latency one row alone waits on, and the
+// group's square roots overlap too. bf16 sums each whole 16-lane chunk as its even lanes, then
+// its odd ones (the contract).
 constexpr int kRowGroup = 4;
 
-template <DType D, int G, bool kEvenOdd>
+template <DType D, int G, bool kCopy>
 ROME_INLINE void widen_and_scale(const typename Lanes<D>::T* const* x, std::int64_t hd, float eps,
-                                 float* N, std::int64_t row_floats, float* scale) {
+                                 float* N, std::int64_t row_floats, float* scale,
+                                 float* sum_squares) {
   using L = Lanes<D>;
   __m256 acc[G];
   for (int i = 0; i < G; ++i) acc[i] = _mm256_setzero_ps();
@@ -143,11 +208,8 @@ ROME_INLINE void widen_and_scale(const typename Lanes<D>::T* const* x, std::int6
         const EvenOdd eo = split_bf16(x[i] + j);
         acc[i] = _mm256_fmadd_ps(eo.even, eo.even, acc[i]);
         acc[i] = _mm256_fmadd_ps(eo.odd, eo.odd, acc[i]);
-        float* row = N + i * row_floats + j;
-        if constexpr (kEvenOdd) {
-          _mm256_storeu_ps(row, eo.even);
-          _mm256_storeu_ps(row + kW, eo.odd);
-        } else {
+        if constexpr (kCopy) {
+          float* row = N + i * row_floats + j;
           _mm256_storeu_ps(row, L::load(x[i] + j));
           _mm256_storeu_ps(row + kW, L::load(x[i] + j + kW));
         }
@@ -159,118 +221,219 @@ ROME_INLINE void widen_and_scale(const typename Lanes<D>::T* const* x, std::int6
       // zeros past hd: fma(0, 0, s) == s
       const __m256 xv = lanes == kW ? L::load(x[i] + j) : L::load(x[i] + j, lanes);
       acc[i] = _mm256_fmadd_ps(xv, xv, acc[i]);
-      _mm256_storeu_ps(N + i * row_floats + j, xv);
+      if constexpr (kCopy) _mm256_storeu_ps(N + i * row_floats + j, xv);
     }
   }
-  for (int i = 0; i < G; ++i) scale[i] = 1.0f / std::sqrt(reduce(acc[i]) / float(hd) + eps);
+  for (int i = 0; i < G; ++i) {
+    sum_squares[i] = reduce(acc[i]);
+    scale[i] = 1.0f / std::sqrt(sum_squares[i] / float(hd) + eps);
+  }
 }
 
 // Pass 1 for rows [n, n + count) of the tile, count <= kRowGroup.
-template <DType D, bool kEvenOdd>
+template <DType D, bool kCopy>
 void widen_rows(const ForwardTile& tile, std::int64_t n, int count, std::int64_t hd, float eps,
-                float* N, std::int64_t row_floats, float* scale) {
+                float* N, std::int64_t row_floats, float* scale, float* sum_squares) {
   using T = typename Lanes<D>::T;
   const T* x[kRowGroup];
   for (int i = 0; i < count; ++i) x[i] = static_cast<const T*>(tile.x_row(n + i));
   if (count == kRowGroup)
-    widen_and_scale<D, kRowGroup, kEvenOdd>(x, hd, eps, N, row_floats, scale);
+    widen_and_scale<D, kRowGroup, kCopy>(x, hd, eps, N, row_floats, scale, sum_squares);
   else
     for (int i = 0; i < count; ++i)
-      widen_and_scale<D, 1, kEvenOdd>(x + i, hd, eps, N + i * row_floats, row_floats, scale + i);
+      widen_and_scale<D, 1, kCopy>(x + i, hd, eps, N + i * row_floats, row_floats, scale + i,
+                                   sum_squares + i);
 }
 
-// bf16, half (h a multiple of 16) or interleave, rotary_dim and head_dim multiples of 16: N, the
-// folded tables and w_eo (the weight of lanes past rotary_dim) in even/odd order per chunk.
-template <NormKind K>
-void norm_rows_bf16_even_odd(const RotationData& r, const ForwardTile& tile, const NormParams& norm,
-                             float* buffer, std::int64_t row_floats, FoldedRow& folded,
-                             const float* w_eo) {
+// r·(xa·c + xb·s) of the contract where it is finite: with kExact one fma (the products are
+// exact), else the compensated sum without its guard (where the guard matters it gives NaN, so
+// the caller's non-finite test sends the vector to rotated_lanes).
+template <bool kExact>
+ROME_INLINE __m256 scaled_sum(__m256 xa, __m256 c, __m256 xb, __m256 s, __m256 r) {
+  return _mm256_mul_ps(
+      kExact ? combine_exact_product(xa, c, xb, s) : combine_unguarded(xa, c, xb, s), r);
+}
+
+// The contract for every lane: r·(xa·c + xb·s), and where that is not finite the normalised form
+// combine(xa·r, c, xb·r, s).
+template <bool kExact>
+ROME_INLINE __m256 rotated_lanes(__m256 xa, __m256 c, __m256 xb, __m256 s, __m256 r) {
+  const __m256 v =
+      _mm256_mul_ps(kExact ? combine_exact_product(xa, c, xb, s) : avx2::combine(xa, c, xb, s), r);
+  const __m256 d = _mm256_sub_ps(v, v);  // NaN exactly where v is inf or NaN
+  const __m256 not_finite = _mm256_cmp_ps(d, d, _CMP_UNORD_Q);
+  return _mm256_blendv_ps(v, avx2::combine(_mm256_mul_ps(xa, r), c, _mm256_mul_ps(xb, r), s),
+                          not_finite);
+}
+
+// Whether any lane of the sum of the vectors is inf or NaN: it is wherever a lane of one of them
+// is (and also where finite lanes overflow or infinities cancel: a redo that is not needed,
+// never a wrong result).
+ROME_INLINE bool any_not_finite(__m256 sum) {
+  const __m256 d = _mm256_sub_ps(sum, sum);
+  return !_mm256_testz_ps(_mm256_cmp_ps(d, d, _CMP_UNORD_Q), _mm256_cmp_ps(d, d, _CMP_UNORD_Q));
+}
+
+// 16 bf16 values from their even and odd lanes: no NaN lane (fast), or any lane (rounded).
+ROME_INLINE void store_bf16_even_odd_not_nan(std::uint16_t* y, __m256 even, __m256 odd) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
+                      _mm256_blend_epi16(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
+                                         round_bf16_high_not_nan(odd), 0xaa));
+}
+ROME_INLINE void store_bf16_even_odd(std::uint16_t* y, __m256 even, __m256 odd) {
+  _mm256_storeu_si256(
+      reinterpret_cast<__m256i*>(y),
+      _mm256_blend_epi16(_mm256_srli_epi32(round_bf16_high(even), 16), round_bf16_high(odd), 0xaa));
+}
+
+// The slow paths of norm_rows_bf16_even_odd, out of line: everything is read again, so the
+// fast loop keeps no vector alive for them (no spills).
+template <bool kExact>
+[[gnu::noinline]] void half_chunks_lane_by_lane(const std::uint16_t* x, std::uint16_t* y,
+                                                const float* cw, const float* sw, std::int64_t j0,
+                                                std::int64_t j1, __m256 scale) {
+  const EvenOdd lo = split_bf16(x + j0), hi = split_bf16(x + j1);
+  const __m256 v0 = rotated_lanes<kExact>(lo.even, _mm256_loadu_ps(cw + j0), hi.even,
+                                          _mm256_loadu_ps(sw + j0), scale);
+  const __m256 v1 = rotated_lanes<kExact>(lo.odd, _mm256_loadu_ps(cw + j0 + kW), hi.odd,
+                                          _mm256_loadu_ps(sw + j0 + kW), scale);
+  const __m256 v2 = rotated_lanes<kExact>(hi.even, _mm256_loadu_ps(cw + j1), lo.even,
+                                          _mm256_loadu_ps(sw + j1), scale);
+  const __m256 v3 = rotated_lanes<kExact>(hi.odd, _mm256_loadu_ps(cw + j1 + kW), lo.odd,
+                                          _mm256_loadu_ps(sw + j1 + kW), scale);
+  store_bf16_even_odd(y + j0, v0, v1);  // after both chunks are read: in place, y is x
+  store_bf16_even_odd(y + j1, v2, v3);
+}
+
+template <bool kExact>
+[[gnu::noinline]] void pair_chunk_lane_by_lane(const std::uint16_t* x, std::uint16_t* y,
+                                               const float* cw, const float* sw, std::int64_t j0,
+                                               __m256 scale) {
+  const EvenOdd e = split_bf16(x + j0);
+  store_bf16_even_odd(y + j0,
+                      rotated_lanes<kExact>(e.even, _mm256_loadu_ps(cw + j0), e.odd,
+                                            _mm256_loadu_ps(sw + j0), scale),
+                      rotated_lanes<kExact>(e.odd, _mm256_loadu_ps(cw + j0 + kW), e.even,
+                                            _mm256_loadu_ps(sw + j0 + kW), scale));
+}
+
+// The rotated lanes of one bf16 row, half rotation: chunk j0 and its partner j0 + h together
+// (each is the other's B lanes: x is split once for both, and in place both are read before
+// either is written). kChecked: test each pair of chunks for a non-finite lane.
+template <bool kExact, bool kChecked>
+ROME_INLINE void half_row_bf16(const std::uint16_t* x, std::uint16_t* y, const float* cw,
+                               const float* sw, std::int64_t h, __m256 scale) {
+  for (std::int64_t j0 = 0; j0 < h; j0 += 16) {
+    const std::int64_t j1 = j0 + h;
+    const EvenOdd lo = split_bf16(x + j0), hi = split_bf16(x + j1);
+    const __m256 v0 = scaled_sum<kExact>(lo.even, _mm256_loadu_ps(cw + j0), hi.even,
+                                         _mm256_loadu_ps(sw + j0), scale);
+    const __m256 v1 = scaled_sum<kExact>(lo.odd, _mm256_loadu_ps(cw + j0 + kW), hi.odd,
+                                         _mm256_loadu_ps(sw + j0 + kW), scale);
+    const __m256 v2 = scaled_sum<kExact>(hi.even, _mm256_loadu_ps(cw + j1), lo.even,
+                                         _mm256_loadu_ps(sw + j1), scale);
+    const __m256 v3 = scaled_sum<kExact>(hi.odd, _mm256_loadu_ps(cw + j1 + kW), lo.odd,
+                                         _mm256_loadu_ps(sw + j1 + kW), scale);
+    if (kChecked && any_not_finite(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)))) {
+      half_chunks_lane_by_lane<kExact>(x, y, cw, sw, j0, j1, scale);
+    } else {
+      store_bf16_even_odd_not_nan(y + j0, v0, v1);
+      store_bf16_even_odd_not_nan(y + j1, v2, v3);
+    }
+  }
+}
+
+// The same for an interleave rotation: each chunk's even and odd lanes are each other's B lanes.
+template <bool kExact, bool kChecked>
+ROME_INLINE void pair_row_bf16(const std::uint16_t* x, std::uint16_t* y, const float* cw,
+                               const float* sw, std::int64_t rd, __m256 scale) {
+  for (std::int64_t j0 = 0; j0 < rd; j0 += 16) {
+    const EvenOdd e = split_bf16(x + j0);
+    const __m256 v0 = scaled_sum<kExact>(e.even, _mm256_loadu_ps(cw + j0), e.odd,
+                                         _mm256_loadu_ps(sw + j0), scale);
+    const __m256 v1 = scaled_sum<kExact>(e.odd, _mm256_loadu_ps(cw + j0 + kW), e.even,
+                                         _mm256_loadu_ps(sw + j0 + kW), scale);
+    if (kChecked && any_not_finite(_mm256_add_ps(v0, v1)))
+      pair_chunk_lane_by_lane<kExact>(x, y, cw, sw, j0, scale);
+    else
+      store_bf16_even_odd_not_nan(y + j0, v0, v1);
+  }
+}
+
+// bf16, half (h a multiple of 16) or interleave, rotary_dim and head_dim multiples of 16. Pass 1
+// only sums (no buffer: pass 2 splits x again from L1); the folded tables and w_eo (the weight
+// of lanes past rotary_dim) are in even/odd order per chunk. Rows under
+// FoldedRow::finite_rows_below skip the non-finite tests (the common case: only rows with inf,
+// NaN or huge values pay for them).
+template <NormKind K, bool kExact>
+[[gnu::noinline]] void norm_rows_bf16_even_odd(const RotationData& r, const ForwardTile& tile,
+                                               const NormParams& norm, FoldedRow& folded,
+                                               const float* w_eo) {
   using T = std::uint16_t;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim, h = rd / 2;
-  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
-  float scales[kRowGroup];
+  float scales[kRowGroup], sum_squares[kRowGroup];
   for (std::int64_t n0 = 0; n0 < tile.count; n0 += kRowGroup) {
     const int group = int(std::min<std::int64_t>(kRowGroup, tile.count - n0));
-    widen_rows<DType::bf16, true>(tile, n0, group, hd, norm.eps, buffer, row_floats, scales);
+    widen_rows<DType::bf16, false>(tile, n0, group, hd, norm.eps, nullptr, 0, scales, sum_squares);
     for (int i = 0; i < group; ++i) {
       const std::int64_t n = n0 + i;
+      const T* x = static_cast<const T*>(tile.x_row(n));
       T* y = static_cast<T*>(tile.y_row(n));
-      const float* N = buffer + i * row_floats;
       folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
-      // Locals, not the thread_local's members: read through TLS in the loop, they cost a
-      // vzeroupper and reloads of every vector per iteration.
       const float* cw = folded.cw;
       const float* sw = folded.sw;
       const __m256 scale = _mm256_set1_ps(scales[i]);
-      for (std::int64_t j0 = 0; j0 < rd; j0 += 16) {
-        const __m256 a_even = _mm256_mul_ps(_mm256_loadu_ps(N + j0), scale);
-        const __m256 a_odd = _mm256_mul_ps(_mm256_loadu_ps(N + j0 + kW), scale);
-        __m256 b_even, b_odd;
-        if constexpr (K == NormKind::interleave) {
-          b_even = a_odd;
-          b_odd = a_even;
-        } else {
-          const std::int64_t p = j0 < h ? j0 + h : j0 - h;
-          b_even = _mm256_mul_ps(_mm256_loadu_ps(N + p), scale);
-          b_odd = _mm256_mul_ps(_mm256_loadu_ps(N + p + kW), scale);
-        }
-        const __m256 c_even = _mm256_loadu_ps(cw + j0), c_odd = _mm256_loadu_ps(cw + j0 + kW);
-        const __m256 s_even = _mm256_loadu_ps(sw + j0), s_odd = _mm256_loadu_ps(sw + j0 + kW);
-        __m256 even = combine_unguarded(a_even, c_even, b_even, s_even);
-        __m256 odd = combine_unguarded(a_odd, c_odd, b_odd, s_odd);
-        __m256i out;
-        if (__builtin_expect(!any_nan(even, odd), 1)) {
-          out = _mm256_or_si256(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
-                                _mm256_and_si256(round_bf16_high_not_nan(odd), high));
-        } else {  // where a guard can matter: the exact way
-          even = avx2::combine(a_even, c_even, b_even, s_even);
-          odd = avx2::combine(a_odd, c_odd, b_odd, s_odd);
-          out = _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
-                                _mm256_and_si256(round_bf16_high(odd), high));
-        }
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j0), out);
+      const bool finite = sum_squares[i] <= folded.finite_rows_below && scales[i] <= FLT_MAX;
+      if constexpr (K == NormKind::half) {
+        if (finite)
+          half_row_bf16<kExact, false>(x, y, cw, sw, h, scale);
+        else
+          half_row_bf16<kExact, true>(x, y, cw, sw, h, scale);
+      } else {
+        if (finite)
+          pair_row_bf16<kExact, false>(x, y, cw, sw, rd, scale);
+        else
+          pair_row_bf16<kExact, true>(x, y, cw, sw, rd, scale);
       }
       for (std::int64_t j = rd; j < hd; j += 16) {
-        const __m256 even =
-            _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(N + j), scale), _mm256_loadu_ps(w_eo + j));
-        const __m256 odd = _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(N + j + kW), scale),
-                                         _mm256_loadu_ps(w_eo + j + kW));
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + j),
-                            _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
-                                            _mm256_and_si256(round_bf16_high(odd), high)));
+        const EvenOdd e = split_bf16(x + j);
+        store_bf16_even_odd(
+            y + j, _mm256_mul_ps(_mm256_mul_ps(e.even, scale), _mm256_loadu_ps(w_eo + j)),
+            _mm256_mul_ps(_mm256_mul_ps(e.odd, scale), _mm256_loadu_ps(w_eo + j + kW)));
       }
     }
   }
 }
 
 // Half (h = rotary_dim/2 a multiple of 8) or interleave (rotary_dim a multiple of 8) with whole
-// vectors: no lane masks, no per-vector tests.
-template <DType D, NormKind K>
+// vectors: no lane masks.
+template <DType D, NormKind K, bool kExact>
 void norm_rows_whole(const RotationData& r, const ForwardTile& tile, const NormParams& norm,
                      float* buffer, std::int64_t row_floats, FoldedRow& folded) {
   using L = Lanes<D>;
   using T = typename L::T;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim, h = rd / 2;
-  float scales[kRowGroup];
+  float scales[kRowGroup], sum_squares[kRowGroup];
   for (std::int64_t n0 = 0; n0 < tile.count; n0 += kRowGroup) {
     const int group = int(std::min<std::int64_t>(kRowGroup, tile.count - n0));
-    widen_rows<D, false>(tile, n0, group, hd, norm.eps, buffer, row_floats, scales);
+    widen_rows<D, true>(tile, n0, group, hd, norm.eps, buffer, row_floats, scales, sum_squares);
     for (int i = 0; i < group; ++i) {
       const std::int64_t n = n0 + i;
       T* y = static_cast<T*>(tile.y_row(n));
       const float* N = buffer + i * row_floats;
       folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
-      const float* cw = folded.cw;  // locals: see norm_rows_bf16_even_odd
+      const float* cw = folded.cw;
       const float* sw = folded.sw;
       const __m256 scale = _mm256_set1_ps(scales[i]);
       for (std::int64_t j0 = 0; j0 < rd; j0 += kW) {
-        const __m256 a = _mm256_mul_ps(_mm256_loadu_ps(N + j0), scale);
-        __m256 b;
-        if constexpr (K == NormKind::interleave)
-          b = _mm256_permute_ps(a, 0xb1);
-        else
-          b = _mm256_mul_ps(_mm256_loadu_ps(N + (j0 < h ? j0 + h : j0 - h)), scale);
-        L::store(y + j0, avx2::combine(a, _mm256_loadu_ps(cw + j0), b, _mm256_loadu_ps(sw + j0)));
+        const __m256 a = _mm256_loadu_ps(N + j0);
+        const __m256 b = K == NormKind::interleave
+                             ? _mm256_permute_ps(a, 0xb1)
+                             : _mm256_loadu_ps(N + (j0 < h ? j0 + h : j0 - h));
+        const __m256 c = _mm256_loadu_ps(cw + j0), s = _mm256_loadu_ps(sw + j0);
+        __m256 v = scaled_sum<kExact>(a, c, b, s, scale);
+        if (__builtin_expect(any_not_finite(v), 0)) v = rotated_lanes<kExact>(a, c, b, s, scale);
+        L::store(y + j0, v);
       }
       for (std::int64_t j = rd; j < hd; j += kW) {
         const int lanes = hd - j < kW ? int(hd - j) : kW;
@@ -294,49 +457,67 @@ void norm_rows_lanes(const RotationData& r, const ForwardTile& tile, const NormP
     folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
     const float* cw = folded.cw;
     const float* sw = folded.sw;
-    float scale;
-    widen_and_scale<D, 1, false>(&x, hd, norm.eps, N, 0, &scale);
-    for (std::int64_t j = 0; j < hd; ++j) N[j] *= scale;
+    float scale, sum_squares;
+    widen_and_scale<D, 1, true>(&x, hd, norm.eps, N, 0, &scale, &sum_squares);
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? N[j] : r.a.sign[j] == 0 ? 0.0f : N[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : N[r.b.src[j]];
-      detail::store_float<D>(y + j, combine_lane(xa, cw[j], xb, sw[j]));
+      const float sum = norm.exact_products ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
+                                            : combine_lane(xa, cw[j], xb, sw[j]);
+      float v = sum * scale;
+      if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
+      detail::store_float<D>(y + j, v);
     }
-    for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, N[j] * norm.weight[j]);
+    for (std::int64_t j = rd; j < hd; ++j)
+      detail::store_float<D>(y + j, N[j] * scale * norm.weight[j]);
   }
 }
 
 template <DType D>
 void norm_rows(const RotationData& r, const ForwardTile& tile, const NormParams& norm) {
-  const std::int64_t rd = r.rotary_dim, hd = r.head_dim, h = rd / 2;
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   const std::int64_t row_floats = (hd + kW - 1) / kW * kW;
+  // The rows of pass 1, the weights in even/odd order (hd), the folded row (cw, sw).
   thread_local std::vector<float> buffer;
-  const std::size_t need = std::size_t(kRowGroup * row_floats + hd);
+  const std::size_t need = std::size_t(kRowGroup * row_floats + hd + 2 * rd);
   if (buffer.size() < need) buffer.assign(need, 0.0f);
-  thread_local FoldedRow folded;
+  float* w_eo = buffer.data() + kRowGroup * row_floats;
   const NormKind kind = classify(r);
-  const bool even_odd = D == DType::bf16 && hd % 16 == 0 && rd % 16 == 0 &&
-                        ((kind == NormKind::half && h % 16 == 0) || kind == NormKind::interleave);
-  folded.reset(rd, kind, even_odd);  // a new call: its table rows may sit where the last did
+  const bool even_odd = bf16_even_odd(r, kind, D);
+  if (even_odd) to_even_odd(norm.weight, hd, w_eo);
+  FoldedRow folded(w_eo + hd, even_odd ? w_eo : norm.weight, r, kind, even_odd);
+  // Only bf16 x has exact products (NormParams::exact_products).
+  const bool exact = D == DType::bf16 && norm.exact_products;
+  using Half = std::integral_constant<NormKind, NormKind::half>;
+  using Pairs = std::integral_constant<NormKind, NormKind::interleave>;
   if (even_odd) {
-    float* w_eo = buffer.data() + kRowGroup * row_floats;
-    FoldedRow::to_even_odd(norm.weight + rd, hd - rd, w_eo + rd);
+    auto run = [&](auto kind_tag, auto exact_tag) {
+      norm_rows_bf16_even_odd<decltype(kind_tag)::value, decltype(exact_tag)::value>(r, tile, norm,
+                                                                                     folded, w_eo);
+    };
     if (kind == NormKind::half)
-      norm_rows_bf16_even_odd<NormKind::half>(r, tile, norm, buffer.data(), row_floats, folded,
-                                              w_eo);
+      exact ? run(Half{}, std::true_type{}) : run(Half{}, std::false_type{});
     else
-      norm_rows_bf16_even_odd<NormKind::interleave>(r, tile, norm, buffer.data(), row_floats,
-                                                    folded, w_eo);
-  } else if (kind == NormKind::half && h % kW == 0) {
-    norm_rows_whole<D, NormKind::half>(r, tile, norm, buffer.data(), row_floats, folded);
-  } else if (kind == NormKind::interleave && rd % kW == 0) {
-    norm_rows_whole<D, NormKind::interleave>(r, tile, norm, buffer.data(), row_floats, folded);
+      exact ? run(Pairs{}, std::true_type{}) : run(Pairs{}, std::false_type{});
+  } else if (folded.vector_fold) {
+    auto run = [&](auto kind_tag, auto exact_tag) {
+      norm_rows_whole<D, decltype(kind_tag)::value, decltype(exact_tag)::value>(
+          r, tile, norm, buffer.data(), row_floats, folded);
+    };
+    if (kind == NormKind::half)
+      exact ? run(Half{}, std::true_type{}) : run(Half{}, std::false_type{});
+    else
+      exact ? run(Pairs{}, std::true_type{}) : run(Pairs{}, std::false_type{});
   } else {
     norm_rows_lanes<D>(r, tile, norm, buffer.data(), folded);
   }
 }
 
 }  // namespace
+
+TableLayout avx2_norm_table_layout(const RotationData& r, DType dtype) {
+  return bf16_even_odd(r, classify(r), dtype) ? TableLayout::even_odd_16 : TableLayout::natural;
+}
 
 void avx2_forward_norm_permute(const RotationData& r, const ForwardTile& tile,
                                const NormParams& norm) {

@@ -70,6 +70,7 @@ const KernelTable& amx_emulated_kernels() {
                                  avx512_accumulate_product,
                                  avx512_kernels(false).permute_table_layout,
                                  avx512_kernels(false).forward_norm_permute,
+                                 avx512_kernels(false).norm_table_layout,
                                  avx512_kernels(false).cos_sin};
   return table;
 }

@@ -112,13 +112,17 @@ void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const 
     }
     for (std::int64_t j = 0; j < hd; ++j) nf[j] = detail::load_float<D>(x + j);
     const float scale = 1.0f / std::sqrt(sum_of_squares<D>(nf, hd) / float(hd) + norm.eps);
-    for (std::int64_t j = 0; j < hd; ++j) nf[j] *= scale;
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? nf[j] : r.a.sign[j] == 0 ? 0.0f : nf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : nf[r.b.src[j]];
-      detail::store_float<D>(y + j, combine_lane(xa, cw[j], xb, sw[j]));
+      const float sum = norm.exact_products ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
+                                            : combine_lane(xa, cw[j], xb, sw[j]);
+      float v = sum * scale;
+      if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
+      detail::store_float<D>(y + j, v);
     }
-    for (std::int64_t j = rd; j < hd; ++j) detail::store_float<D>(y + j, nf[j] * norm.weight[j]);
+    for (std::int64_t j = rd; j < hd; ++j)
+      detail::store_float<D>(y + j, nf[j] * scale * norm.weight[j]);
   }
 }
 
@@ -167,7 +171,7 @@ void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n
 const KernelTable& scalar_kernels() {
   static const KernelTable table{
       "scalar", forward_permute_any,      forward_dense_any, scalar_accumulate_product,
-      nullptr,  forward_norm_permute_any, scalar_cos_sin};
+      nullptr,  forward_norm_permute_any, nullptr,           scalar_cos_sin};
   return table;
 }
 
