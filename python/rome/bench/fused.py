@@ -1,7 +1,8 @@
 """Fused passes against the separate ones (Qwen3-8B attention shapes: Hq 32, Hk = Hv 8, D 128,
 bf16; T = 1, 16, 512, 4096 tokens; fp32 cos_sin_cache [8192, 128]; paged cache of 16-slot blocks).
 
-- QK-norm + RoPE on a packed qkv [T, 48·128] in place: ``fused_qk_norm_rope`` against
+- QK-norm + RoPE on a packed qkv [T, 48·128] in place: ``fused_qk_norm_rope`` (with the fp32
+  cache, and with the cache in the model's dtype as vLLM's RotaryEmbedding holds it) against
   ``F.rms_norm`` of q and k followed by RoME's ``rotary_embedding`` (separate passes), and against
   eager PyTorch (``F.rms_norm`` + transformers' rotate_half formula, gathered cos/sin).
 - RoPE + KV-cache write: ``rotary_embedding_with_cache`` (with and without QK-norm) against
@@ -44,6 +45,7 @@ def cell(tokens: int, threads: int, repeats: int, memmove: Memmove, inner_small:
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(tokens)
     cache = _cache()
+    cache_bf16 = cache.to(torch.bfloat16)  # vLLM's RotaryEmbedding casts its cache to the model dtype
     positions = torch.randint(0, 8192, (tokens,), generator=g)
     qkv = torch.randn(tokens, (HQ + HK + HV) * D, generator=g).to(torch.bfloat16)
     wq = (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16)
@@ -61,6 +63,9 @@ def cell(tokens: int, threads: int, repeats: int, memmove: Memmove, inner_small:
 
     def fused_norm():
         rome.ops.fused_qk_norm_rope(qkv, HQ, HK, HV, D, 1e-6, wq, wk, cache, True, positions)
+
+    def fused_norm_bf16():
+        rome.ops.fused_qk_norm_rope(qkv, HQ, HK, HV, D, 1e-6, wq, wk, cache_bf16, True, positions)
 
     def separate_norm():
         qn = F.rms_norm(q.view(tokens, HQ, D), (D,), wq, 1e-6)
@@ -100,7 +105,8 @@ def cell(tokens: int, threads: int, repeats: int, memmove: Memmove, inner_small:
     src_b = torch.empty(cache_bytes, dtype=torch.uint8)
     dst_b = torch.empty(cache_bytes, dtype=torch.uint8)
     mm_a, mm_b = memmove.copier(qk_bytes, threads), memmove.copier(cache_bytes, threads)
-    fns = {"fused_norm": fused_norm, "separate_norm": separate_norm, "eager_norm": eager_norm,
+    fns = {"fused_norm": fused_norm, "fused_norm_bf16": fused_norm_bf16,
+           "separate_norm": separate_norm, "eager_norm": eager_norm,
            "fused_cache": fused_cache, "fused_norm_cache": fused_norm_cache,
            "separate_cache": separate_cache, "eager_cache": eager_cache,
            "copy_a": lambda: dst_a.copy_(src_a), "memmove_a": mm_a,
@@ -145,13 +151,15 @@ def markdown(res: Dict) -> str:
         "",
         "QK-norm + RoPE in place on a packed qkv; ratio to the copy of q and k (time in brackets).",
         "",
-        "| T | threads | floor | fused_qk_norm_rope | rms_norm + RoME rope | eager (rms_norm + HF rope) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| T | threads | floor | fused_qk_norm_rope | same, bf16 cache | rms_norm + RoME rope | "
+        "eager (rms_norm + HF rope) |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in res["cells"]:
         f = c["floor_norm"]
         lines.append(f"| {c['tokens']} | {c['threads']} | {_fmt(f, 0)} | {_fmt(c['fused_norm'], f)} | "
-                     f"{_fmt(c['separate_norm'], f)} | {_fmt(c['eager_norm'], f)} |")
+                     f"{_fmt(c['fused_norm_bf16'], f)} | {_fmt(c['separate_norm'], f)} | "
+                     f"{_fmt(c['eager_norm'], f)} |")
     lines += [
         "",
         "RoPE + paged KV-cache write; ratio to the copy of q, k and of k, v into the cache.",
