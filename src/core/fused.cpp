@@ -50,10 +50,14 @@ std::vector<float> weight_values(const std::string& name, const ConstTensorView&
   std::vector<float> out(static_cast<std::size_t>(head_dim));
   if (detail::metadata_only()) return out;  // no values to read
   if (head_dim > 0 && !w.data) fail(Status::invalid_argument, name, "a data pointer", "null");
-  for (int64_t j = 0; j < head_dim; ++j) {
-    const float v = detail::load_any(w.data, w.dtype, j * w.strides[0]);
-    out[std::size_t(j)] = unit_offset ? 1.0f + v : v;
+  if (w.strides[0] == 1) {
+    detail::load_row_any(w.data, w.dtype, head_dim, out.data());
+  } else {
+    for (int64_t j = 0; j < head_dim; ++j)
+      out[std::size_t(j)] = detail::load_any(w.data, w.dtype, j * w.strides[0]);
   }
+  if (unit_offset)
+    for (float& v : out) v = 1.0f + v;
   return out;
 }
 
