@@ -154,9 +154,9 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
             or torch.compiler.is_compiling()):
         return _qwen_reference(x, freqs_cis)
     freqs = freqs_cis.unsqueeze(1)
-    try:
-        return ops.rope(x, None, freqs.real.contiguous(), freqs.imag.contiguous(),
-                        rotation="interleave", table_width="pairs")[0]
+    try:  # the real and imaginary views as they are (stride 2): the kernel gathers table rows
+        return ops.rope(x, None, freqs.real, freqs.imag, rotation="interleave",
+                        table_width="pairs")[0]
     except (ValueError, IndexError):  # shapes the kernel does not take: PyTorch says why
         return _qwen_reference(x, freqs_cis)
 
