@@ -82,15 +82,37 @@ struct Executor {
 
   std::int64_t items() const { return plan->outer_total / line_length * tiles_per_line * parts; }
   void run(std::int64_t begin, std::int64_t end) const;
+  bool head_major(const OperandPlan& op, std::int64_t tokens) const;
+  bool interleave_tokens(std::int64_t tokens) const;
   void rotate(const OperandPlan& op, const std::int64_t* outer, std::int64_t tokens,
-              std::int64_t row_begin, std::int64_t row_end, const float* cos,
-              const float* sin) const;
+              std::int64_t token_begin, std::int64_t token_end, std::int64_t row_begin,
+              std::int64_t row_end, const float* cos, const float* sin) const;
 };
 
-// Rows [row_begin, row_end) of one operand over the tile's tokens.
+// Whether the operand's rows go to the kernel one head at a time over the tile's tokens (heads
+// further apart than tokens: BNSD-like), rather than one token at a time over its heads.
+bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
+  const int last = plan->outer_count - 1;
+  const std::int64_t token_in = last >= 0 ? op.outer_in[last] : 0;
+  return tokens > 1 && (op.inner.count == 0 ||
+                        std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]));
+}
+
+// q and k both token-major with the same token stride (in and out): rows of one buffer, as the
+// q and k slices of a packed qkv are. Separate q and k tensors keep one pass each (two
+// contiguous streams).
+bool Executor::interleave_tokens(std::int64_t tokens) const {
+  const ForwardPlan& p = *plan;
+  const int last = p.outer_count - 1;
+  return p.has_k && last >= 0 && !head_major(p.q, tokens) && !head_major(p.k, tokens) &&
+         p.q.outer_in[last] == p.k.outer_in[last] && p.q.outer_out[last] == p.k.outer_out[last];
+}
+
+// Rows [row_begin, row_end) of one operand over the tile's tokens: all of them when head-major,
+// else tokens [token_begin, token_end).
 void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int64_t tokens,
-                      std::int64_t row_begin, std::int64_t row_end, const float* cos,
-                      const float* sin) const {
+                      std::int64_t token_begin, std::int64_t token_end, std::int64_t row_begin,
+                      std::int64_t row_end, const float* cos, const float* sin) const {
   if (row_begin >= row_end) return;
   const ForwardPlan& p = *plan;
   const std::int64_t es = dtype_size(p.dtype);
@@ -109,10 +131,7 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   tile.copy_passthrough = !op.in_place && p.rotation->head_dim > p.rotation->rotary_dim;
   tile.stream = large_output && !op.in_place;
   tile.table_values = table_values;
-  const bool head_major =
-      tokens > 1 && (op.inner.count == 0 ||
-                     std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]));
-  if (head_major) {
+  if (head_major(op, tokens)) {
     // One call per head: its rows over the tile's tokens, one table row each.
     tile.table_step = table_stride;
     tile.count = tokens;
@@ -129,7 +148,7 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   const int inner_last = op.inner.count - 1;
   tile.x_step = inner_last >= 0 ? op.inner.in_stride[inner_last] * es : 0;
   tile.y_step = inner_last >= 0 ? op.inner.out_stride[inner_last] * es : 0;
-  for (std::int64_t t = 0; t < tokens; ++t) {
+  for (std::int64_t t = token_begin; t < token_end; ++t) {
     tile.cos = cos + t * table_stride;
     tile.sin = sin + t * table_stride;
     const std::int64_t in_t = in0 + t * token_in, out_t = out0 + t * token_out;
@@ -170,10 +189,21 @@ void Executor::run(std::int64_t begin, std::int64_t end) const {
       prepared_tile = tile_index;
     }
     const std::int64_t r0 = rows * part / parts, r1 = rows * (part + 1) / parts;
-    rotate(p.q, outer, tokens, std::min(r0, q_rows), std::min(r1, q_rows), cos, sin);
-    if (p.has_k)
-      rotate(p.k, outer, tokens, std::max(r0 - q_rows, std::int64_t(0)),
-             std::max(r1 - q_rows, std::int64_t(0)), cos, sin);
+    const std::int64_t q0 = std::min(r0, q_rows), q1 = std::min(r1, q_rows);
+    const std::int64_t k0 = std::max(r0 - q_rows, std::int64_t(0));
+    const std::int64_t k1 = std::max(r1 - q_rows, std::int64_t(0));
+    if (p.has_k && interleave_tokens(tokens)) {
+      // Token-major q and k rows in one buffer (slices of a packed qkv): token t's q heads, then
+      // its k heads, which follow them. One pass of q over the tile then one of k would walk the
+      // same memory twice, each time with gaps (measured: 22% slower on Qwen3-8B's shapes).
+      for (std::int64_t t = 0; t < tokens; ++t) {
+        rotate(p.q, outer, tokens, t, t + 1, q0, q1, cos, sin);
+        rotate(p.k, outer, tokens, t, t + 1, k0, k1, cos, sin);
+      }
+    } else {
+      rotate(p.q, outer, tokens, 0, tokens, q0, q1, cos, sin);
+      if (p.has_k) rotate(p.k, outer, tokens, 0, tokens, k0, k1, cos, sin);
+    }
   }
 }
 
