@@ -80,10 +80,14 @@ class ExactProductEpilogue : public ::testing::TestWithParam<std::tuple<Isa, int
 
 std::vector<SpecialCase> special_cases() {
   std::vector<SpecialCase> cases;
-  const std::pair<Rotation, const char*> rotations[] = {{Rotation::half(32), "half32"},
-                                                        {Rotation::interleave(32), "interleave32"},
-                                                        {Rotation::quarter(64), "quarter64"},
-                                                        {Rotation::half(24), "half24"}};
+  const std::pair<Rotation, const char*> rotations[] = {
+      {Rotation::half(32), "half32"},
+      {Rotation::interleave(32), "interleave32"},
+      {Rotation::quarter(64), "quarter64"},
+      {Rotation::half(24), "half24"},
+      // the shifted_two row loop
+      {Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)}),
+       "half3d_44_44_40"}};
   for (DType x : {DType::bf16, DType::f16})
     for (DType t : {DType::bf16, DType::f16, DType::f32})
       for (const auto& [rotation, name] : rotations) cases.push_back({x, t, rotation, name});

@@ -12,7 +12,9 @@
 //  - deinterleave: interleave_half (DeepSeek MLA): output vectors u and V/2 + u are the even and
 //             the odd lanes of input vectors 2u and 2u + 1 (two shuffles, two lane permutes);
 //  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
-//             widened into an fp32 buffer (block diagonals such as 44+44+40);
+//             widened into an fp32 buffer (block diagonals such as 44+44+40); shifted_two when
+//             two loads always do (every half-block at least 8 lanes): no branches, two vectors
+//             per step, bf16 narrowed and packed as a pair;
 //  - general (and single / move in place): the row is widened into an fp32 buffer first and
 //             every output vector is built by vpermps (_mm256_permutevar8x32_ps) steps of the
 //             plan, blended into a zeroed accumulator.
@@ -57,6 +59,7 @@ enum class Kind {
   move,
   deinterleave,
   shifted,
+  shifted_two,
   general
 };
 
@@ -64,6 +67,9 @@ enum class Kind {
 // widened row, X[8v + d .. 8v + d + 8) for a few offsets d, blended by lane (block diagonals
 // whose blocks are not multiples of 8 lanes, e.g. 3D RoPE 44+44+40: a vector straddles at most
 // two half-blocks, so two or three loads replace a chain of cross-lane permutes).
+// shifted_two: every vector has a B source in every lane from at most two loads, the row is
+// whole vectors and an even number of them (3D RoPE 44+44+40 and 16+56+56: every half-block has
+// at least 8 lanes): two loads and one blend per vector, no branches, two vectors per step.
 constexpr int kMaxShifts = 3;
 
 struct Work {
@@ -271,6 +277,69 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
   }
 }
 
+// Two bf16 vectors with no NaN lane, rounded and packed into 16 consecutive values.
+ROME_INLINE __m256i narrow_bf16_pair_not_nan(__m256 a, __m256 b) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(round_bf16_high_not_nan(a), 16),
+                                             _mm256_srli_epi32(round_bf16_high_not_nan(b), 16));
+  return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));  // a0-3 a4-7 b0-3 b4-7
+}
+
+template <typename L>
+ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
+  float* X = w.X + kW;
+  auto b_lanes = [&](std::int64_t v) {
+    const std::int32_t* d = w.shift_offset + kMaxShifts * v;
+    const float* at = X + kW * v;
+    return _mm256_blendv_ps(_mm256_loadu_ps(at + d[0]), _mm256_loadu_ps(at + d[1]),
+                            w.shift_mask[kMaxShifts * v + 1]);
+  };
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(tile, n);
+    for (std::int64_t j = 0; j < kW * w.V; j += 2 * kW) {  // two vectors per step (V is even)
+      _mm256_store_ps(X + j, L::load(row.x + j));
+      _mm256_store_ps(X + j + kW, L::load(row.x + j + kW));
+    }
+    const bool stream = streaming_row<L>(w, row.y);
+    for (std::int64_t v = 0; v < w.V; v += 2) {
+      const __m256 a0 = _mm256_load_ps(X + kW * v), a1 = _mm256_load_ps(X + kW * (v + 1));
+      const __m256 b0 = b_lanes(v), b1 = b_lanes(v + 1);
+      const float* C = row.C + kW * v;
+      const float* S = row.S + kW * v;
+      if constexpr (L::kDType == DType::bf16) {
+        // bf16: no NaN lane (the common case) narrows and packs both vectors at once.
+        constexpr bool kExact = L::kExactProducts, kNoCheck = L::kNarrowWithoutNanCheck;
+        const __m256 out0 =
+            kExact ? combine_exact_product(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S))
+                   : combine_unguarded(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S));
+        const __m256 out1 =
+            kExact ? combine_exact_product(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW))
+                   : combine_unguarded(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW));
+        if (kNoCheck || __builtin_expect(!any_nan(out0, out1), 1)) {
+          auto* y = reinterpret_cast<__m256i*>(row.y + kW * v);
+          const __m256i packed = narrow_bf16_pair_not_nan(out0, out1);
+          if (stream)
+            _mm256_stream_si256(y, packed);
+          else
+            _mm256_storeu_si256(y, packed);
+          continue;
+        }
+        // A NaN result: the exact way, with the NaN case of the narrowing.
+        put<L>(w, stream, row.y, v, epilogue<kExact>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S)));
+        put<L>(w, stream, row.y, v + 1,
+               epilogue<kExact>(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW)));
+      } else {
+        __m256 out0, out1;
+        epilogue_pair<L::kExactProducts>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S), a1,
+                                         _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW), out0,
+                                         out1);
+        put<L>(w, stream, row.y, v, out0);
+        put<L>(w, stream, row.y, v + 1, out1);
+      }
+    }
+    pass_through<L>(w, row.x, row.y);
+  }
+}
+
 template <typename L>
 ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
   for (std::int64_t n = 0; n < tile.count; ++n) {
@@ -447,6 +516,7 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
     case Kind::move: return rows_single<L, true>(w, tile);
     case Kind::deinterleave: return rows_deinterleave<L>(w, tile);
     case Kind::shifted: return rows_shifted<L>(w, tile);
+    case Kind::shifted_two: return rows_shifted_two<L>(w, tile);
     case Kind::general: return rows_general<L>(w, tile);
   }
 }
@@ -538,6 +608,16 @@ bool classify_shifted(const RotationData& r, const Work& w, std::int32_t* count,
   return true;
 }
 
+// The shifted kind's conditions for shifted_two (see there).
+bool two_shifts(const RotationData& r, const Work& w, const std::int32_t* count) {
+  if (w.tail != kW || w.V % 2 != 0) return false;
+  for (std::int64_t v = 0; v < w.V; ++v)
+    if (count[v] < 1 || count[v] > 2) return false;
+  for (std::int64_t j = 0; j < w.rd; ++j)
+    if (r.b.sign[j] == 0) return false;
+  return true;
+}
+
 // memcmp(a, b, n) == 0, inline, one branch.
 ROME_INLINE bool equal_bytes(const void* a, const void* b, std::size_t n) {
   const auto* p = static_cast<const char*>(a);
@@ -612,7 +692,7 @@ class Prepared {
     kind = classify(r, w, idx_v, mask_v, src_v, src_n_v);
     if (kind == Kind::general && r.a_identity &&
         classify_shifted(r, w, shift_count_v, shift_offset_v, shift_mask_v))
-      kind = Kind::shifted;
+      kind = two_shifts(r, w, shift_count_v) ? Kind::shifted_two : Kind::shifted;
     shift_count = shift_count_v;
     shift_offset = shift_offset_v;
     shift_mask = shift_mask_v;
