@@ -870,6 +870,23 @@ kernels::TableValues table_values(const ForwardPlan& plan) {
              : kernels::TableValues::sixteen_bit;
 }
 
+// Cache rows gathered by position are random reads: asks for the rows of token `ahead` tokens
+// later while this one is prepared, so their misses overlap (only the one-position-per-token
+// gather; MRoPE's per-column rows and table-free rows are left as they are).
+void prefetch_cache_rows(const ForwardPlan& plan, const int64_t* outer) {
+  const TablePlan& t = plan.tables;
+  int64_t op = 0;
+  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
+  const int64_t p = position_at(t, op);
+  const int64_t columns = t.width == TableWidth::full ? plan.rotation->rotary_dim : t.columns;
+  const char* crow = t.cos + p * t.cos_row * dtype_size(t.dtype_cos);
+  const char* srow = t.sin + p * t.sin_row * dtype_size(t.dtype_sin);
+  const int64_t cbytes = columns * t.cos_lane * dtype_size(t.dtype_cos);
+  const int64_t sbytes = columns * t.sin_lane * dtype_size(t.dtype_sin);
+  for (int64_t b = 0; b < cbytes; b += 64) __builtin_prefetch(crow + b);
+  for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(srow + b);
+}
+
 void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens, int64_t stride,
                         kernels::TableLayout layout, float* cos, float* sin, float* row_cos,
                         float* row_sin) {
@@ -881,7 +898,21 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
   const std::uint32_t* sin_bits = fold ? r.sin_sign_bits.data() : nullptr;
   const int last = plan.outer_count - 1;
   const int64_t first = last >= 0 ? outer[last] : 0;
+  const TablePlan& t = plan.tables;
+  const bool gather = t.positions && !t.column_axis && !t.frequencies && last >= 0;
+  // 8 tokens ahead: 4, 6, 8 and 12 gave the same time on a Zen 3 (random positions into a
+  // 59 MB cache, 1 thread: 35 ms without, 25-27 ms with).
+  constexpr int64_t kAhead = 8;
+  if (gather)
+    for (int64_t i = 0; i < std::min(kAhead, tokens); ++i) {
+      outer[last] = first + i;
+      prefetch_cache_rows(plan, outer);
+    }
   for (int64_t i = 0; i < tokens; ++i) {
+    if (gather && i + kAhead < tokens) {
+      outer[last] = first + i + kAhead;
+      prefetch_cache_rows(plan, outer);
+    }
     if (last >= 0) outer[last] = first + i;
     const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
     float* c = cos + i * stride;
