@@ -425,6 +425,8 @@ void norm_rows_whole(const RotationData& r, const ForwardTile& tile, const NormP
       const float* cw = folded.cw;
       const float* sw = folded.sw;
       const __m256 scale = _mm256_set1_ps(scales[i]);
+      // As in norm_rows_bf16_even_odd: rows under the bound need no non-finite test.
+      const bool checked = !(sum_squares[i] <= folded.finite_rows_below && scales[i] <= FLT_MAX);
       for (std::int64_t j0 = 0; j0 < rd; j0 += kW) {
         const __m256 a = _mm256_loadu_ps(N + j0);
         const __m256 b = K == NormKind::interleave
@@ -432,7 +434,8 @@ void norm_rows_whole(const RotationData& r, const ForwardTile& tile, const NormP
                              : _mm256_loadu_ps(N + (j0 < h ? j0 + h : j0 - h));
         const __m256 c = _mm256_loadu_ps(cw + j0), s = _mm256_loadu_ps(sw + j0);
         __m256 v = scaled_sum<kExact>(a, c, b, s, scale);
-        if (__builtin_expect(any_not_finite(v), 0)) v = rotated_lanes<kExact>(a, c, b, s, scale);
+        if (checked && __builtin_expect(any_not_finite(v), 0))
+          v = rotated_lanes<kExact>(a, c, b, s, scale);
         L::store(y + j0, v);
       }
       for (std::int64_t j = rd; j < hd; j += kW) {
