@@ -90,8 +90,9 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 struct NormParams {
   const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
   float eps;
-  // x·C' is exact in fp32: bf16 x (8 significant bits) and C' = C·w with bf16 tables and
-  // bf16-exact weights (8 + 8 bits), 24 bits in all.
+  // x·C' is exact in fp32 (barring underflow): bf16 x (8 significant bits) and C' = C·w with
+  // bf16 tables and bf16-exact weights (8 + 8 bits), 24 bits in all. Read for bf16 tiles only:
+  // every kernel ignores it for other dtypes.
   bool exact_products;
 };
 using NormForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile,

@@ -128,7 +128,7 @@ struct FusedCase {
 
 const FusedCase kCases[] = {{64, 64, 4, 2, true},  {80, 80, 3, 1, true},    {96, 96, 2, 2, false},
                             {128, 64, 4, 1, true}, {128, 128, 8, 2, false}, {256, 256, 2, 1, true},
-                            {40, 20, 2, 2, true}};
+                            {40, 20, 2, 2, true},  {128, 64, 4, 1, false}};
 
 // bf16 tables with q's bf16 weight (not Gemma's 1 + w) take the exact-product epilogue for q.
 TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
@@ -196,68 +196,79 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
 // entries: every ISA still gives the scalar kernel's bits (the SIMD paths skip the epilogue's
 // guard and redo a chunk with a non-finite result lane by lane; this reaches the redo). bf16
 // tables and bf16 weights take the exact-product epilogue, where an unnormalised product that
-// overflows (x·3e38) must fall back to the normalised form.
+// overflows (x·3e38) must fall back to the normalised form. With eps = 0 a zero row has an
+// infinite scale and a row of 1e-22 values a subnormal sum of squares; without the NaN weight,
+// q's rows may take the path without the per-chunk test.
 TEST(QkNormRope, SpecialValuesMatchScalarOnEveryIsa) {
   std::mt19937_64 rng(8);
   const double specials[] = {std::nan(""), INFINITY, -INFINITY, 3.0e38, -3.0e38, 1e-40, 0.0};
   for (const FusedCase& fc : kCases)
     for (DType dtype : {DType::f32, DType::bf16, DType::f16})
-      for (DType table_dtype : {DType::f32, DType::bf16}) {
-        const std::int64_t T = 12;
-        const Rotation rotation =
-            (fc.neox ? Rotation::half(fc.rd) : Rotation::interleave(fc.rd)).partial(fc.d);
-        Cache cache = make_cache(16, fc.rd, T, rng, table_dtype);
-        for (std::int64_t t = 0; t < T; ++t) cache.positions.set({t, 0}, double(t % 8));
-        cache.cos.set({3, 1}, 1e30);  // products past fp32's range where it is read
-        cache.sin.set({5, 0}, -1e30);
-        cache.cos.set({7, fc.rd / 4}, 3.0e38);  // x·C overflows even where x's row does not
-        TestTensor qw = TestTensor::make(table_dtype, {fc.d}),
-                   kw = TestTensor::make(table_dtype, {fc.d});
-        qw.fill_random(rng, 0.5, 1.5);
-        kw.fill_random(rng, 0.5, 1.5);
-        // A NaN with every payload bit set (in bf16 weights, every bit bf16 keeps): rounding it to
-        // bf16 must quieten it, not carry it into the sign (0x7fffffff + 0x7fff would be -0).
-        const std::uint32_t payload_bits = table_dtype == DType::bf16 ? 0x7fff0000u : 0x7fffffffu;
-        float payload_nan;
-        std::memcpy(&payload_nan, &payload_bits, sizeof payload_nan);
-        qw.set({1}, double(payload_nan));
-        kw.set({fc.d - 1}, 1e30);
-        QkNorm norm{qw.cview(), kw.cview(), 1e-6f, false};
-        Packed original = make_packed(dtype, T, fc.hq, fc.hk, fc.d, rng);
-        const std::int64_t width = (fc.hq + 2 * fc.hk) * fc.d;
-        std::uniform_int_distribution<std::int64_t> any_column(0, width - 1);
-        for (std::int64_t t = 0; t < T; ++t) {
-          if (t == 4) {  // a row of zeros: scale 1/sqrt(eps)
-            for (std::int64_t j = 0; j < width; ++j) original.buffer.set({t, j}, 0.0);
-            continue;
+      for (DType table_dtype : {DType::f32, DType::bf16})
+        for (const float eps : {1e-6f, 0.0f})
+          for (const bool nan_weight : {true, false}) {
+            const std::int64_t T = 12;
+            const Rotation rotation =
+                (fc.neox ? Rotation::half(fc.rd) : Rotation::interleave(fc.rd)).partial(fc.d);
+            Cache cache = make_cache(16, fc.rd, T, rng, table_dtype);
+            for (std::int64_t t = 0; t < T; ++t) cache.positions.set({t, 0}, double(t % 8));
+            cache.cos.set({3, 1}, 1e30);  // products past fp32's range where it is read
+            cache.sin.set({5, 0}, -1e30);
+            cache.cos.set({7, fc.rd / 4}, 3.0e38);  // x·C overflows even where x's row does not
+            TestTensor qw = TestTensor::make(table_dtype, {fc.d}),
+                       kw = TestTensor::make(table_dtype, {fc.d});
+            qw.fill_random(rng, 0.5, 1.5);
+            kw.fill_random(rng, 0.5, 1.5);
+            // A NaN with every payload bit set (in bf16 weights, every bit bf16 keeps): rounding it
+            // to bf16 must quieten it, not carry it into the sign (0x7fffffff + 0x7fff would be
+            // -0).
+            const std::uint32_t payload_bits =
+                table_dtype == DType::bf16 ? 0x7fff0000u : 0x7fffffffu;
+            float payload_nan;
+            std::memcpy(&payload_nan, &payload_bits, sizeof payload_nan);
+            if (nan_weight) qw.set({1}, double(payload_nan));
+            kw.set({fc.d - 1}, 1e30);
+            QkNorm norm{qw.cview(), kw.cview(), eps, false};
+            Packed original = make_packed(dtype, T, fc.hq, fc.hk, fc.d, rng);
+            const std::int64_t width = (fc.hq + 2 * fc.hk) * fc.d;
+            std::uniform_int_distribution<std::int64_t> any_column(0, width - 1);
+            for (std::int64_t t = 0; t < T; ++t) {
+              if (t == 4) {  // a row of zeros: scale 1/sqrt(eps)
+                for (std::int64_t j = 0; j < width; ++j) original.buffer.set({t, j}, 0.0);
+                continue;
+              }
+              if (t == 9) {  // tiny values: the sum of squares underflows
+                for (std::int64_t j = 0; j < width; ++j)
+                  original.buffer.set({t, j}, (j % 3 ? 1e-22 : -2e-22));
+                continue;
+              }
+              for (int n = 0; n < 3; ++n)
+                original.buffer.set({t, any_column(rng)}, specials[std::size_t(rng() % 7)]);
+            }
+            Packed expected = original;
+            {
+              ScopedIsa scoped(Isa::scalar);
+              qk_norm_rope(rotation, cache.view(fc.neox), norm, expected.q(), expected.k());
+            }
+            for (Isa isa : isas_under_test()) {
+              ScopedIsa scoped(isa);
+              Packed got = original;
+              qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k());
+              // Bit for bit, but where both are NaN: which of two NaN operands' payloads an
+              // arithmetic operation passes on depends on the operand order the compiler chose.
+              const TestTensor& g = got.buffer;
+              const TestTensor& e = expected.buffer;
+              for (std::int64_t i = 0; i < g.numel(); ++i) {
+                const auto idx = g.unravel(i);
+                const double a = g.get(idx), b = e.get(idx);
+                if (std::isnan(a) && std::isnan(b)) continue;
+                ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0)
+                    << isa_name(isa) << " " << dtype_name(dtype) << " tables "
+                    << dtype_name(table_dtype) << " d " << fc.d << " rd " << fc.rd << " element "
+                    << i << ": " << a << " vs " << b;
+              }
+            }
           }
-          for (int n = 0; n < 3; ++n)
-            original.buffer.set({t, any_column(rng)}, specials[std::size_t(rng() % 7)]);
-        }
-        Packed expected = original;
-        {
-          ScopedIsa scoped(Isa::scalar);
-          qk_norm_rope(rotation, cache.view(fc.neox), norm, expected.q(), expected.k());
-        }
-        for (Isa isa : isas_under_test()) {
-          ScopedIsa scoped(isa);
-          Packed got = original;
-          qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k());
-          // Bit for bit, but where both are NaN: which of two NaN operands' payloads an
-          // arithmetic operation passes on depends on the operand order the compiler chose.
-          const TestTensor& g = got.buffer;
-          const TestTensor& e = expected.buffer;
-          for (std::int64_t i = 0; i < g.numel(); ++i) {
-            const auto idx = g.unravel(i);
-            const double a = g.get(idx), b = e.get(idx);
-            if (std::isnan(a) && std::isnan(b)) continue;
-            ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0)
-                << isa_name(isa) << " " << dtype_name(dtype) << " tables "
-                << dtype_name(table_dtype) << " d " << fc.d << " rd " << fc.rd << " element " << i
-                << ": " << a << " vs " << b;
-          }
-        }
-      }
 }
 
 TEST(QkNormRope, OtherPermutationsTakeTheLaneLoop) {

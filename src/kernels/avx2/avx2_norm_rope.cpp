@@ -5,7 +5,7 @@
 // whose halves (or pairs) are whole 16-lane chunks go 16 lanes at a time on even/odd splits
 // with even/odd table rows, as the RoPE kernel's bf16 path does: no buffer (x is split again from
 // L1), one fma per lane when the products are exact, and no per-chunk test on rows that cannot
-// produce inf or NaN (FoldedRow::finite_rows_below; other rows redo a chunk with a non-finite
+// produce inf or NaN (FoldedRow::finite_sum_squares_max; other rows redo a chunk with a non-finite
 // lane lane by lane). Half rotations whose half is whole vectors and interleave rotations of
 // whole vectors run on 8-lane vectors from an fp32 buffer; other sizes and signed permutations
 // take the scalar kernel's lane loop on the same buffer. Bit-identical to the scalar kernel: same
@@ -84,9 +84,11 @@ struct FoldedRow {
   // r·(x_a·C' + x_b·S') that is inf or NaN, so they skip the per-chunk test: x is finite (its sum
   // of squares is), |x_j| <= sqrt(ss), |C'_j| + |S'_j| <= m = max |cw| + max |sw|, and
   // r <= sqrt(head_dim / ss); so every lane is at most sqrt(ss)·m <= 1e37 before scaling and
-  // sqrt(head_dim)·m <= 1e37 after (the 30x margin to FLT_MAX covers fp32's rounding of ss).
+  // sqrt(head_dim)·m <= 1e37 after (the 30x margin to FLT_MAX covers fp32's rounding of ss and
+  // the underflow of x² or ss / head_dim in the subnormal range, which can make r up to about
+  // 1.7x larger than the bound).
   // -1 (no row) when m is too large or NaN.
-  float finite_rows_below = -1;
+  float finite_sum_squares_max = -1;
 
   // A local of each call (its table rows may sit where the last call's did), not a
   // thread_local: members read through TLS cost a vzeroupper and a reload per row.
@@ -148,7 +150,7 @@ struct FoldedRow {
     }
     // max |cw| + max |sw| <= 2 max(|cw|, |sw|): the vector fold's m is of both at once.
     if (vector_fold) m *= 2;
-    finite_rows_below =
+    finite_sum_squares_max =
         m * std::sqrt(double(head_dim)) <= 1e37
             ? float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)))
             : -1.0f;
@@ -363,7 +365,7 @@ ROME_INLINE void pair_row_bf16(const std::uint16_t* x, std::uint16_t* y, const f
 // bf16, half (h a multiple of 16) or interleave, rotary_dim and head_dim multiples of 16. Pass 1
 // only sums (no buffer: pass 2 splits x again from L1); the folded tables and w_eo (the weight
 // of lanes past rotary_dim) are in even/odd order per chunk. Rows under
-// FoldedRow::finite_rows_below skip the non-finite tests (the common case: only rows with inf,
+// FoldedRow::finite_sum_squares_max skip the non-finite tests (the common case: only rows with inf,
 // NaN or huge values pay for them).
 template <NormKind K, bool kExact>
 [[gnu::noinline]] void norm_rows_bf16_even_odd(const RotationData& r, const ForwardTile& tile,
@@ -383,7 +385,7 @@ template <NormKind K, bool kExact>
       const float* cw = folded.cw;
       const float* sw = folded.sw;
       const __m256 scale = _mm256_set1_ps(scales[i]);
-      const bool finite = sum_squares[i] <= folded.finite_rows_below && scales[i] <= FLT_MAX;
+      const bool finite = sum_squares[i] <= folded.finite_sum_squares_max && scales[i] <= FLT_MAX;
       if constexpr (K == NormKind::half) {
         if (finite)
           half_row_bf16<kExact, false>(x, y, cw, sw, h, scale);
@@ -426,7 +428,8 @@ void norm_rows_whole(const RotationData& r, const ForwardTile& tile, const NormP
       const float* sw = folded.sw;
       const __m256 scale = _mm256_set1_ps(scales[i]);
       // As in norm_rows_bf16_even_odd: rows under the bound need no non-finite test.
-      const bool checked = !(sum_squares[i] <= folded.finite_rows_below && scales[i] <= FLT_MAX);
+      const bool checked =
+          !(sum_squares[i] <= folded.finite_sum_squares_max && scales[i] <= FLT_MAX);
       for (std::int64_t j0 = 0; j0 < rd; j0 += kW) {
         const __m256 a = _mm256_loadu_ps(N + j0);
         const __m256 b = K == NormKind::interleave
@@ -465,8 +468,9 @@ void norm_rows_lanes(const RotationData& r, const ForwardTile& tile, const NormP
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? N[j] : r.a.sign[j] == 0 ? 0.0f : N[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : N[r.b.src[j]];
-      const float sum = norm.exact_products ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
-                                            : combine_lane(xa, cw[j], xb, sw[j]);
+      const float sum = D == DType::bf16 && norm.exact_products
+                            ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
+                            : combine_lane(xa, cw[j], xb, sw[j]);
       float v = sum * scale;
       if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
       detail::store_float<D>(y + j, v);

@@ -115,8 +115,9 @@ void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const 
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? nf[j] : r.a.sign[j] == 0 ? 0.0f : nf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : nf[r.b.src[j]];
-      const float sum = norm.exact_products ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
-                                            : combine_lane(xa, cw[j], xb, sw[j]);
+      const float sum = D == DType::bf16 && norm.exact_products
+                            ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
+                            : combine_lane(xa, cw[j], xb, sw[j]);
       float v = sum * scale;
       if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
       detail::store_float<D>(y + j, v);
