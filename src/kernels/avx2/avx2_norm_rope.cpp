@@ -288,77 +288,90 @@ ROME_INLINE void store_bf16_even_odd(std::uint16_t* y, __m256 even, __m256 odd) 
       _mm256_blend_epi16(_mm256_srli_epi32(round_bf16_high(even), 16), round_bf16_high(odd), 0xaa));
 }
 
+// The outputs of half chunks j0 and j1 = j0 + h (their even and odd lanes): f(xa, c, xb, s) of
+// each vector's A lanes, folded table entries and B lanes (each chunk is the other's B lanes).
+// The fast loop passes scaled_sum, its slow path rotated_lanes: which lanes pair is said once.
+struct FourVectors {
+  __m256 v0, v1, v2, v3;
+};
+
+template <typename F>
+ROME_INLINE FourVectors half_chunks(const EvenOdd& lo, const EvenOdd& hi, const float* cw,
+                                    const float* sw, std::int64_t j0, std::int64_t j1, F f) {
+  return {f(lo.even, _mm256_loadu_ps(cw + j0), hi.even, _mm256_loadu_ps(sw + j0)),
+          f(lo.odd, _mm256_loadu_ps(cw + j0 + kW), hi.odd, _mm256_loadu_ps(sw + j0 + kW)),
+          f(hi.even, _mm256_loadu_ps(cw + j1), lo.even, _mm256_loadu_ps(sw + j1)),
+          f(hi.odd, _mm256_loadu_ps(cw + j1 + kW), lo.odd, _mm256_loadu_ps(sw + j1 + kW))};
+}
+
+// The same for one interleave chunk: its even and odd lanes are each other's B lanes.
+template <typename F>
+ROME_INLINE EvenOdd pair_chunk(const EvenOdd& e, const float* cw, const float* sw, std::int64_t j0,
+                               F f) {
+  return {f(e.even, _mm256_loadu_ps(cw + j0), e.odd, _mm256_loadu_ps(sw + j0)),
+          f(e.odd, _mm256_loadu_ps(cw + j0 + kW), e.even, _mm256_loadu_ps(sw + j0 + kW))};
+}
+
 // The slow paths of norm_rows_bf16_even_odd, out of line: everything is read again, so the
 // fast loop keeps no vector alive for them (no spills).
 template <bool kExact>
 [[gnu::noinline]] void half_chunks_lane_by_lane(const std::uint16_t* x, std::uint16_t* y,
                                                 const float* cw, const float* sw, std::int64_t j0,
                                                 std::int64_t j1, __m256 scale) {
-  const EvenOdd lo = split_bf16(x + j0), hi = split_bf16(x + j1);
-  const __m256 v0 = rotated_lanes<kExact>(lo.even, _mm256_loadu_ps(cw + j0), hi.even,
-                                          _mm256_loadu_ps(sw + j0), scale);
-  const __m256 v1 = rotated_lanes<kExact>(lo.odd, _mm256_loadu_ps(cw + j0 + kW), hi.odd,
-                                          _mm256_loadu_ps(sw + j0 + kW), scale);
-  const __m256 v2 = rotated_lanes<kExact>(hi.even, _mm256_loadu_ps(cw + j1), lo.even,
-                                          _mm256_loadu_ps(sw + j1), scale);
-  const __m256 v3 = rotated_lanes<kExact>(hi.odd, _mm256_loadu_ps(cw + j1 + kW), lo.odd,
-                                          _mm256_loadu_ps(sw + j1 + kW), scale);
-  store_bf16_even_odd(y + j0, v0, v1);  // after both chunks are read: in place, y is x
-  store_bf16_even_odd(y + j1, v2, v3);
+  const FourVectors v = half_chunks(split_bf16(x + j0), split_bf16(x + j1), cw, sw, j0, j1,
+                                    [scale](__m256 xa, __m256 c, __m256 xb, __m256 s) {
+                                      return rotated_lanes<kExact>(xa, c, xb, s, scale);
+                                    });
+  store_bf16_even_odd(y + j0, v.v0, v.v1);  // after both chunks are read: in place, y is x
+  store_bf16_even_odd(y + j1, v.v2, v.v3);
 }
 
 template <bool kExact>
 [[gnu::noinline]] void pair_chunk_lane_by_lane(const std::uint16_t* x, std::uint16_t* y,
                                                const float* cw, const float* sw, std::int64_t j0,
                                                __m256 scale) {
-  const EvenOdd e = split_bf16(x + j0);
-  store_bf16_even_odd(y + j0,
-                      rotated_lanes<kExact>(e.even, _mm256_loadu_ps(cw + j0), e.odd,
-                                            _mm256_loadu_ps(sw + j0), scale),
-                      rotated_lanes<kExact>(e.odd, _mm256_loadu_ps(cw + j0 + kW), e.even,
-                                            _mm256_loadu_ps(sw + j0 + kW), scale));
+  const EvenOdd v =
+      pair_chunk(split_bf16(x + j0), cw, sw, j0, [scale](__m256 xa, __m256 c, __m256 xb, __m256 s) {
+        return rotated_lanes<kExact>(xa, c, xb, s, scale);
+      });
+  store_bf16_even_odd(y + j0, v.even, v.odd);
 }
 
 // The rotated lanes of one bf16 row, half rotation: chunk j0 and its partner j0 + h together
-// (each is the other's B lanes: x is split once for both, and in place both are read before
-// either is written). kChecked: test each pair of chunks for a non-finite lane.
+// (x is split once for both, and in place both are read before either is written). kChecked:
+// test each pair of chunks for a non-finite lane.
 template <bool kExact, bool kChecked>
 ROME_INLINE void half_row_bf16(const std::uint16_t* x, std::uint16_t* y, const float* cw,
                                const float* sw, std::int64_t h, __m256 scale) {
+  auto sum = [scale](__m256 xa, __m256 c, __m256 xb, __m256 s) {
+    return scaled_sum<kExact>(xa, c, xb, s, scale);
+  };
   for (std::int64_t j0 = 0; j0 < h; j0 += 16) {
     const std::int64_t j1 = j0 + h;
-    const EvenOdd lo = split_bf16(x + j0), hi = split_bf16(x + j1);
-    const __m256 v0 = scaled_sum<kExact>(lo.even, _mm256_loadu_ps(cw + j0), hi.even,
-                                         _mm256_loadu_ps(sw + j0), scale);
-    const __m256 v1 = scaled_sum<kExact>(lo.odd, _mm256_loadu_ps(cw + j0 + kW), hi.odd,
-                                         _mm256_loadu_ps(sw + j0 + kW), scale);
-    const __m256 v2 = scaled_sum<kExact>(hi.even, _mm256_loadu_ps(cw + j1), lo.even,
-                                         _mm256_loadu_ps(sw + j1), scale);
-    const __m256 v3 = scaled_sum<kExact>(hi.odd, _mm256_loadu_ps(cw + j1 + kW), lo.odd,
-                                         _mm256_loadu_ps(sw + j1 + kW), scale);
-    if (kChecked && any_not_finite(_mm256_add_ps(_mm256_add_ps(v0, v1), _mm256_add_ps(v2, v3)))) {
+    const FourVectors v = half_chunks(split_bf16(x + j0), split_bf16(x + j1), cw, sw, j0, j1, sum);
+    if (kChecked &&
+        any_not_finite(_mm256_add_ps(_mm256_add_ps(v.v0, v.v1), _mm256_add_ps(v.v2, v.v3)))) {
       half_chunks_lane_by_lane<kExact>(x, y, cw, sw, j0, j1, scale);
     } else {
-      store_bf16_even_odd_not_nan(y + j0, v0, v1);
-      store_bf16_even_odd_not_nan(y + j1, v2, v3);
+      store_bf16_even_odd_not_nan(y + j0, v.v0, v.v1);
+      store_bf16_even_odd_not_nan(y + j1, v.v2, v.v3);
     }
   }
 }
 
-// The same for an interleave rotation: each chunk's even and odd lanes are each other's B lanes.
+// The same for an interleave rotation.
 template <bool kExact, bool kChecked>
 ROME_INLINE void pair_row_bf16(const std::uint16_t* x, std::uint16_t* y, const float* cw,
                                const float* sw, std::int64_t rd, __m256 scale) {
+  auto sum = [scale](__m256 xa, __m256 c, __m256 xb, __m256 s) {
+    return scaled_sum<kExact>(xa, c, xb, s, scale);
+  };
   for (std::int64_t j0 = 0; j0 < rd; j0 += 16) {
-    const EvenOdd e = split_bf16(x + j0);
-    const __m256 v0 = scaled_sum<kExact>(e.even, _mm256_loadu_ps(cw + j0), e.odd,
-                                         _mm256_loadu_ps(sw + j0), scale);
-    const __m256 v1 = scaled_sum<kExact>(e.odd, _mm256_loadu_ps(cw + j0 + kW), e.even,
-                                         _mm256_loadu_ps(sw + j0 + kW), scale);
-    if (kChecked && any_not_finite(_mm256_add_ps(v0, v1)))
+    const EvenOdd v = pair_chunk(split_bf16(x + j0), cw, sw, j0, sum);
+    if (kChecked && any_not_finite(_mm256_add_ps(v.even, v.odd)))
       pair_chunk_lane_by_lane<kExact>(x, y, cw, sw, j0, scale);
     else
-      store_bf16_even_odd_not_nan(y + j0, v0, v1);
+      store_bf16_even_odd_not_nan(y + j0, v.even, v.odd);
   }
 }
 
@@ -456,27 +469,13 @@ template <DType D>
 void norm_rows_lanes(const RotationData& r, const ForwardTile& tile, const NormParams& norm,
                      float* N, FoldedRow& folded) {
   using T = typename Lanes<D>::T;
-  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const T* x = static_cast<const T*>(tile.x_row(n));
-    T* y = static_cast<T*>(tile.y_row(n));
     folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
-    const float* cw = folded.cw;
-    const float* sw = folded.sw;
     float scale, sum_squares;
-    widen_and_scale<D, 1, true>(&x, hd, norm.eps, N, 0, &scale, &sum_squares);
-    for (std::int64_t j = 0; j < rd; ++j) {
-      const float xa = r.a_identity ? N[j] : r.a.sign[j] == 0 ? 0.0f : N[r.a.src[j]];
-      const float xb = r.b.sign[j] == 0 ? 0.0f : N[r.b.src[j]];
-      const float sum = D == DType::bf16 && norm.exact_products
-                            ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
-                            : combine_lane(xa, cw[j], xb, sw[j]);
-      float v = sum * scale;
-      if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
-      detail::store_float<D>(y + j, v);
-    }
-    for (std::int64_t j = rd; j < hd; ++j)
-      detail::store_float<D>(y + j, N[j] * scale * norm.weight[j]);
+    widen_and_scale<D, 1, true>(&x, r.head_dim, norm.eps, N, 0, &scale, &sum_squares);
+    store_norm_row_lanes<D>(r, N, scale, folded.cw, folded.sw, norm,
+                            static_cast<T*>(tile.y_row(n)));
   }
 }
 

@@ -1,10 +1,15 @@
-// QK-norm + RoPE (NormForwardFn): the norm weight folded into a table row, written once and
-// compiled into each kernel library (internal linkage: each copy is built with its own flags).
+// QK-norm + RoPE (NormForwardFn): the norm weight folded into a table row and the contract's
+// lane-by-lane form, written once and compiled into each kernel library (internal linkage: each
+// copy is built with its own flags).
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
+#include "../../core/convert.hpp"
 #include "../../core/rotation_data.hpp"
+#include "../kernel_api.hpp"
+#include "combine-inl.hpp"
 
 namespace rome::kernels {
 namespace {
@@ -22,6 +27,28 @@ inline void fold_norm_weight(const detail::RotationData& r, const float* cos, co
     cw[j] = reads_a ? cos[j] * weight[a] : cos[j];
     sw[j] = r.b.sign[j] != 0 ? sin[j] * weight[r.b.src[j]] : sin[j];
   }
+}
+
+// One row of the contract (kernel_api.hpp's NormForwardFn), lane by lane: x holds the row's
+// lanes in fp32, r its 1 / rms, cw and sw the folded table row. The scalar kernel's row, and the
+// SIMD kernels' row for sizes and permutations they have no vector loop for.
+template <DType D>
+void store_norm_row_lanes(const detail::RotationData& r, const float* x, float scale,
+                          const float* cw, const float* sw, const NormParams& norm,
+                          typename detail::Storage<D>::type* y) {
+  const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
+  for (std::int64_t j = 0; j < rd; ++j) {
+    const float xa = r.a_identity ? x[j] : r.a.sign[j] == 0 ? 0.0f : x[r.a.src[j]];
+    const float xb = r.b.sign[j] == 0 ? 0.0f : x[r.b.src[j]];
+    const float sum = D == DType::bf16 && norm.exact_products
+                          ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
+                          : combine_lane(xa, cw[j], xb, sw[j]);
+    float v = sum * scale;
+    if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
+    detail::store_float<D>(y + j, v);
+  }
+  for (std::int64_t j = rd; j < hd; ++j)
+    detail::store_float<D>(y + j, x[j] * scale * norm.weight[j]);
 }
 
 }  // namespace

@@ -112,18 +112,7 @@ void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const 
     }
     for (std::int64_t j = 0; j < hd; ++j) nf[j] = detail::load_float<D>(x + j);
     const float scale = 1.0f / std::sqrt(sum_of_squares<D>(nf, hd) / float(hd) + norm.eps);
-    for (std::int64_t j = 0; j < rd; ++j) {
-      const float xa = r.a_identity ? nf[j] : r.a.sign[j] == 0 ? 0.0f : nf[r.a.src[j]];
-      const float xb = r.b.sign[j] == 0 ? 0.0f : nf[r.b.src[j]];
-      const float sum = D == DType::bf16 && norm.exact_products
-                            ? combine_lane_exact_product(xa, cw[j], xb, sw[j])
-                            : combine_lane(xa, cw[j], xb, sw[j]);
-      float v = sum * scale;
-      if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
-      detail::store_float<D>(y + j, v);
-    }
-    for (std::int64_t j = rd; j < hd; ++j)
-      detail::store_float<D>(y + j, nf[j] * scale * norm.weight[j]);
+    store_norm_row_lanes<D>(r, nf, scale, cw, sw, norm, y);
   }
 }
 
