@@ -277,13 +277,6 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
   }
 }
 
-// Two bf16 vectors with no NaN lane, rounded and packed into 16 consecutive values.
-ROME_INLINE __m256i narrow_bf16_pair_not_nan(__m256 a, __m256 b) {
-  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(round_bf16_high_not_nan(a), 16),
-                                             _mm256_srli_epi32(round_bf16_high_not_nan(b), 16));
-  return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));  // a0-3 a4-7 b0-3 b4-7
-}
-
 template <typename L>
 ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
   float* X = w.X + kW;
@@ -454,15 +447,6 @@ ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
       row_bf16_xor<L, false>(chunks, K, row);
     pass_through<L>(w, row.x, row.y);
   }
-}
-
-// deinterleave: the even and the odd lanes of x[16u, 16u + 16), each in lane order.
-ROME_INLINE EvenOdd split_even_odd(__m256 a, __m256 b) {
-  const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 a4 a6 b4 b6
-  const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-  constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);
-  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), kOrder)),
-          _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder))};
 }
 
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and

@@ -92,6 +92,14 @@ ROME_INLINE __m128i pack_high_halves(__m256i rounded) {
   return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
 }
 
+// Two vectors with no NaN lane narrowed to bf16 and packed into 16 consecutive values (one
+// 32-byte store instead of two 16-byte ones).
+ROME_INLINE __m256i narrow_bf16_pair_not_nan(__m256 a, __m256 b) {
+  const __m256i packed = _mm256_packus_epi32(_mm256_srli_epi32(round_bf16_high_not_nan(a), 16),
+                                             _mm256_srli_epi32(round_bf16_high_not_nan(b), 16));
+  return _mm256_permute4x64_epi64(packed, _MM_SHUFFLE(3, 1, 2, 0));  // a0-3 a4-7 b0-3 b4-7
+}
+
 // bf16: widening is a shift; narrowing is round to nearest even in integer arithmetic, NaN
 // quietened as (u >> 16) | 0x40, subnormals kept.
 struct Bf16 {
@@ -181,6 +189,16 @@ ROME_INLINE bool any_nan(__m256 a, __m256 b) {
 struct EvenOdd {
   __m256 even, odd;
 };
+
+// The even and the odd lanes of the 16 fp32 values a, b, each in lane order (two shuffles, two
+// lane permutes): interleave_half's deinterleave, and tables put in even/odd order.
+ROME_INLINE EvenOdd split_even_odd(__m256 a, __m256 b) {
+  const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 a4 a6 b4 b6
+  const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
+  constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);
+  return {_mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), kOrder)),
+          _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder))};
+}
 
 ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
   const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

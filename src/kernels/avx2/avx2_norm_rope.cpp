@@ -178,14 +178,9 @@ struct FoldedRow {
 // n a multiple of 16: per chunk, the 8 even lanes, then the 8 odd ones.
 void to_even_odd(const float* in, std::int64_t n, float* out) {
   for (std::int64_t c = 0; c < n; c += 16) {
-    const __m256 a = _mm256_loadu_ps(in + c), b = _mm256_loadu_ps(in + c + kW);
-    const __m256 even = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(2, 0, 2, 0));  // a0 a2 b0 b2 a4..
-    const __m256 odd = _mm256_shuffle_ps(a, b, _MM_SHUFFLE(3, 1, 3, 1));
-    constexpr int kOrder = _MM_SHUFFLE(3, 1, 2, 0);  // 64-bit pairs: a0a2 a4a6 b0b2 b4b6
-    _mm256_storeu_ps(out + c,
-                     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), kOrder)));
-    _mm256_storeu_ps(out + c + kW,
-                     _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder)));
+    const EvenOdd e = split_even_odd(_mm256_loadu_ps(in + c), _mm256_loadu_ps(in + c + kW));
+    _mm256_storeu_ps(out + c, e.even);
+    _mm256_storeu_ps(out + c + kW, e.odd);
   }
 }
 
