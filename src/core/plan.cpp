@@ -727,12 +727,28 @@ int64_t position_at(const TablePlan& t, int64_t offset) {
              : reinterpret_cast<const std::int64_t*>(t.positions)[offset];
 }
 
+// Offset of the token's entry in positions (with column_axis: of its first axis).
+int64_t positions_offset(const ForwardPlan& plan, const int64_t* outer) {
+  int64_t op = 0;
+  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * plan.tables.positions_outer[i];
+  return op;
+}
+
+// The cos and sin cache rows at position p.
+struct CacheRows {
+  const char* cos;
+  const char* sin;
+};
+CacheRows cache_rows(const TablePlan& t, int64_t p) {
+  return {t.cos + p * t.cos_row * dtype_size(t.dtype_cos),
+          t.sin + p * t.sin_row * dtype_size(t.dtype_sin)};
+}
+
 // cos/sin of every frequency at the token's position(s), then spread over the lanes.
 TableRow table_free_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
   const TablePlan& t = plan.tables;
   const int64_t rd = plan.rotation->rotary_dim, n = t.columns;
-  int64_t op = 0;
-  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
+  const int64_t op = positions_offset(plan, outer);
   constexpr int64_t kStack = 256;
   double stack_position[kStack];
   float stack_values[2 * kStack];
@@ -789,8 +805,7 @@ TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, 
     if (t.direct_fp32_rows)
       return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
   } else {
-    int64_t op = 0;
-    for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
+    const int64_t op = positions_offset(plan, outer);
     if (t.column_axis) {
       // One position per axis (MRoPE, grids): each column reads its own row.
       for (int64_t j = 0; j < rd; ++j) {
@@ -801,9 +816,9 @@ TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, 
       }
       return {cos, sin};
     }
-    const int64_t p = position_at(t, op);
-    crow = t.cos + p * t.cos_row * ecs;
-    srow = t.sin + p * t.sin_row * ess;
+    const CacheRows rows = cache_rows(t, position_at(t, op));
+    crow = rows.cos;
+    srow = rows.sin;
     if (t.dtype_cos == DType::f32 && t.dtype_sin == DType::f32 && t.width == TableWidth::full &&
         t.cos_lane == 1 && t.sin_lane == 1)
       return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
@@ -875,16 +890,12 @@ kernels::TableValues table_values(const ForwardPlan& plan) {
 // gather; MRoPE's per-column rows and table-free rows are left as they are).
 void prefetch_cache_rows(const ForwardPlan& plan, const int64_t* outer) {
   const TablePlan& t = plan.tables;
-  int64_t op = 0;
-  for (int i = 0; i < plan.outer_count; ++i) op += outer[i] * t.positions_outer[i];
-  const int64_t p = position_at(t, op);
+  const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
   const int64_t columns = t.width == TableWidth::full ? plan.rotation->rotary_dim : t.columns;
-  const char* crow = t.cos + p * t.cos_row * dtype_size(t.dtype_cos);
-  const char* srow = t.sin + p * t.sin_row * dtype_size(t.dtype_sin);
   const int64_t cbytes = columns * t.cos_lane * dtype_size(t.dtype_cos);
   const int64_t sbytes = columns * t.sin_lane * dtype_size(t.dtype_sin);
-  for (int64_t b = 0; b < cbytes; b += 64) __builtin_prefetch(crow + b);
-  for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(srow + b);
+  for (int64_t b = 0; b < cbytes; b += 64) __builtin_prefetch(rows.cos + b);
+  for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(rows.sin + b);
 }
 
 void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens, int64_t stride,

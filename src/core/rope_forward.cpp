@@ -199,7 +199,7 @@ void Executor::run(std::int64_t begin, std::int64_t end) const {
     const std::int64_t q0 = std::min(r0, q_rows), q1 = std::min(r1, q_rows);
     const std::int64_t k0 = std::max(r0 - q_rows, std::int64_t(0));
     const std::int64_t k1 = std::max(r1 - q_rows, std::int64_t(0));
-    if (p.has_k && interleave_tokens(tokens)) {
+    if (interleave_tokens(tokens)) {
       // Token-major q and k rows in one buffer (slices of a packed qkv): token t's q heads, then
       // its k heads, which follow them. One pass of q over the tile then one of k would walk the
       // same memory twice, each time with gaps (measured: 29% slower on Qwen3-8B's shapes).

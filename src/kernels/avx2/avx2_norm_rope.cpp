@@ -142,14 +142,13 @@ struct FoldedRow {
           fold(j, wa, _mm256_permute_ps(wa, 0xb1));
         }
       }
-      // max_ps drops NaNs: they make m infinite.
-      m = _mm256_testz_ps(nan, nan) ? double(horizontal_max(most)) : INFINITY;
+      // most is max(|cw|, |sw|), and max |cw| + max |sw| <= 2·most. max_ps drops NaNs: they
+      // make m infinite.
+      m = _mm256_testz_ps(nan, nan) ? 2.0 * double(horizontal_max(most)) : INFINITY;
     } else {
       fold_norm_weight(r, c, s, weight, cw, sw);
       m = double(max_abs(cw, rd)) + double(max_abs(sw, rd));
     }
-    // max |cw| + max |sw| <= 2 max(|cw|, |sw|): the vector fold's m is of both at once.
-    if (vector_fold) m *= 2;
     finite_sum_squares_max =
         m * std::sqrt(double(head_dim)) <= 1e37
             ? float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)))
