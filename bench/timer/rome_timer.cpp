@@ -10,6 +10,8 @@
 //   --rotation half|interleave|quarter|interleave_half|dense   (default half); dense: a random
 //                       orthogonal matrix (with --blocks: random orthogonal blocks)
 //   --blocks a,b,c      block-diagonal rotation of that kind (sizes sum to the head size)
+//   --matrix-dtype f32|bf16  dense matrices as given (default f32) or rounded to bf16 first, as
+//                       a user who hands over M in bf16 (the matrix unit then needs no lo part)
 //   --force-dense       run the rotation through the dense (matrix) path even when it is a
 //                       signed permutation (Rotation::as_dense), to compare the two paths
 //   --q B,N,S,D         q, BNSD (any rank 2..5; S is the second-to-last axis, D the last)
@@ -192,7 +194,7 @@ int main(int argc, char** argv) {
   std::string rotation_kind = "half", isa_name;
   std::vector<std::int64_t> q_shape, k_shape, blocks;
   std::int64_t cache = 0;
-  DType dtype = DType::bf16, table_dtype = DType::f32;
+  DType dtype = DType::bf16, table_dtype = DType::f32, matrix_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0;
   bool in_place = false, force_dense = false, qk_norm = false;
@@ -217,6 +219,8 @@ int main(int argc, char** argv) {
         dtype = parse_dtype(value());
       else if (a == "--table-dtype")
         table_dtype = parse_dtype(value());
+      else if (a == "--matrix-dtype")
+        matrix_dtype = parse_dtype(value());
       else if (a == "--threads")
         threads = std::stoi(value());
       else if (a == "--tile-tokens")
@@ -264,6 +268,21 @@ int main(int argc, char** argv) {
       rotation = rome::Rotation::block_diag(parts);
     }
     if (force_dense) rotation = rotation.as_dense();
+    if (matrix_dtype != DType::f32 && rotation.kind() == rome::Rotation::Kind::dense) {
+      auto rounded = [&](std::vector<float> m) {
+        for (float& v : m) {
+          std::uint16_t h = 0;
+          rome::detail::store_any(&h, matrix_dtype, 0, v);
+          v = float(rome::detail::load_any(&h, matrix_dtype, 0));
+        }
+        return m;
+      };
+      const std::int64_t d = rotation.rotary_dim();
+      rotation = rotation.a_is_identity()
+                     ? rome::Rotation::dense(rounded(rotation.to_dense_b()), d)
+                     : rome::Rotation::dense(rounded(rotation.to_dense_a()),
+                                             rounded(rotation.to_dense_b()), d);
+    }
     const std::int64_t rd = rotation.rotary_dim();
 
     // Operands.

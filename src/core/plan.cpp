@@ -877,8 +877,7 @@ void split_even_odd_16(const float* in, int64_t n, float* out) {
 kernels::TableValues table_values(const ForwardPlan& plan) {
   const TablePlan& t = plan.tables;
   auto is_16_bit = [](DType d) { return d == DType::bf16 || d == DType::f16; };
-  if (plan.rotation->kind != Rotation::Kind::signed_permutation || t.cos == nullptr ||
-      !is_16_bit(t.dtype_cos) || !is_16_bit(t.dtype_sin))
+  if (t.cos == nullptr || !is_16_bit(t.dtype_cos) || !is_16_bit(t.dtype_sin))
     return kernels::TableValues::fp32;
   return t.dtype_cos == DType::bf16 && t.dtype_sin == DType::bf16
              ? kernels::TableValues::bf16

@@ -96,8 +96,8 @@ class MetadataOnly {
 // Whether a MetadataOnly is alive on this thread.
 bool metadata_only() noexcept;
 
-// What the plan's tables give the permute kernels (kernel_api.hpp's TableValues): table rows
-// read from 16-bit tables with only signs folded in; fp32 for anything else.
+// What the plan's tables give the kernels (kernel_api.hpp's TableValues): table rows read from
+// 16-bit tables with at most signs folded in; fp32 for anything else (table-free rows).
 kernels::TableValues table_values(const ForwardPlan& plan);
 
 // q_written = false: q.out is ignored (backward without dx).

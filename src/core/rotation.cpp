@@ -99,8 +99,10 @@ TilePackedMatrix pack_tiles(const std::vector<float>& m, std::int64_t dim,
     tiles +=
         ((block.size + P::kTileK - 1) / P::kTileK) * ((block.size + P::kTileN - 1) / P::kTileN);
   }
-  packed.hi.assign(tiles * P::kTileElements, 0);
-  packed.lo.assign(tiles * P::kTileElements, 0);
+  packed.hi.assign(tiles * P::kTileElements + 32, 0);
+  packed.lo.assign(tiles * P::kTileElements + 32, 0);
+  std::uint16_t* hi_tiles = packed.hi_tiles();
+  std::uint16_t* lo_tiles = packed.lo_tiles();
   for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
     const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
     const std::int64_t n_tiles = (n + P::kTileN - 1) / P::kTileN;
@@ -114,8 +116,8 @@ TilePackedMatrix pack_tiles(const std::vector<float>& m, std::int64_t dim,
         const std::int64_t kk = k % P::kTileK, jj = j % P::kTileN;
         const std::int64_t at =
             tile * P::kTileElements + (kk / 2) * (2 * P::kTileN) + jj * 2 + kk % 2;
-        packed.hi[at] = hi;
-        packed.lo[at] = lo;
+        hi_tiles[at] = hi;
+        lo_tiles[at] = lo;
         packed.has_lo |= lo != 0 && (lo & 0x7fff) != 0;
       }
   }

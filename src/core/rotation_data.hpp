@@ -52,9 +52,22 @@ struct PermutePlans {
 // holds the pairs (m[k0+2p][n], m[k0+2p+1][n]) for 16 n), zero outside the block.
 struct TilePackedMatrix {
   static constexpr int kTileK = 32, kTileN = 16, kTileElements = kTileK * kTileN;
-  std::vector<std::uint16_t> hi, lo;
+  std::vector<std::uint16_t> hi, lo;  // the tiles plus 32 elements of slack for the alignment
   std::vector<std::int64_t> block_first_tile;  // index of each block's first tile
   bool has_lo = false;                         // false when every entry is exact in bf16
+
+  // The first tile, 64-byte aligned (a tile row is one cache line); derived, so a copy stays
+  // correct.
+  const std::uint16_t* hi_tiles() const { return aligned(hi); }
+  const std::uint16_t* lo_tiles() const { return aligned(lo); }
+  std::uint16_t* hi_tiles() { return const_cast<std::uint16_t*>(aligned(hi)); }
+  std::uint16_t* lo_tiles() { return const_cast<std::uint16_t*>(aligned(lo)); }
+
+ private:
+  static const std::uint16_t* aligned(const std::vector<std::uint16_t>& v) {
+    const auto address = reinterpret_cast<std::uintptr_t>(v.data());
+    return v.data() + (64 - address % 64) % 64 / sizeof(std::uint16_t);
+  }
 };
 struct TilePacks {
   TilePackedMatrix a, b;  // a empty when A = I

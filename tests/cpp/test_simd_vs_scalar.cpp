@@ -1,4 +1,5 @@
-// The SIMD kernels must match the scalar kernel bit for bit. Seeded randomized cases through the
+// The SIMD kernels must match the scalar kernel bit for bit (all but the AMX tile products of
+// dense rotations, held to their error bound by test_amx.cpp). Seeded randomized cases through the
 // public API (rome::rope_forward): every rotation family (half, interleave, quarter,
 // interleave_half, block diagonals of random even blocks, partial rotary, dense matrices that are
 // signed permutations, with or without empty columns, dense blocks of random values with one or
@@ -544,6 +545,10 @@ TEST(SimdVsScalar, RandomizedBitExact) {
       want = run(c);
     }
     for (Isa isa : isas) {
+      // The tile unit sums in its own order and flushes bf16 subnormals: dense rotations of 16-bit
+      // x on AMX are held to their error bound instead (test_amx.cpp), not to scalar's bits.
+      if (isa == Isa::amx && c.rotation.kind() == Rotation::Kind::dense && c.dtype != DType::f32)
+        continue;
       ScopedIsa scoped(isa);
       ASSERT_EQ(active_isa(), isa);
       const Outputs got = run(c);

@@ -115,6 +115,16 @@ struct TestTensor {
     return idx;
   }
 
+  // Every storage element outside the logical view still holds the NaN it was made with.
+  bool outside_view_untouched() const {
+    const std::int64_t es = dtype_size(dtype), n = std::int64_t(storage.size()) / es;
+    std::vector<bool> inside(n, false);
+    for (std::int64_t e = 0; e < numel(); ++e) inside[offset_of(unravel(e))] = true;
+    for (std::int64_t i = 0; i < n; ++i)
+      if (!inside[i] && !std::isnan(to_double(dtype, storage.data() + i * es))) return false;
+    return true;
+  }
+
   template <typename F>
   void fill(F&& f) {
     for (std::int64_t e = 0; e < numel(); ++e) set(unravel(e), f(unravel(e)));

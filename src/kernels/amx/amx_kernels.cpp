@@ -18,57 +18,54 @@ struct alignas(64) TileConfig {
 struct HardwareTiles {
   static void configure() {
     TileConfig config;
-    for (int t = 0; t < 6; ++t) {
+    for (int t = 0; t < 8; ++t) {
       config.column_bytes[t] = 64;
       config.rows[t] = 16;
     }
     _tile_loadconfig(&config);
   }
   static void release() { _tile_release(); }
-  // GCC's tile intrinsics paste the register number into the instruction text, so each use
-  // names a literal register.
+  // GCC's tile intrinsics paste their register arguments into the instruction text, so they
+  // take literals only; "%c" prints a template constant the same way.
   template <int T>
   static void zero() {
-    static_assert(T == 0);
-    _tile_zero(0);
+    __asm__ volatile("tilezero %%tmm%c0" ::"i"(T));
   }
   template <int T>
   static void load(const void* p, std::size_t stride) {
-    static_assert(T >= 2 && T <= 5);
-    if constexpr (T == 2) _tile_loadd(2, p, stride);
-    if constexpr (T == 3) _tile_loadd(3, p, stride);
-    if constexpr (T == 4) _tile_loadd(4, p, stride);
-    if constexpr (T == 5) _tile_loadd(5, p, stride);
+    __asm__ volatile("tileloadd (%0,%1,1), %%tmm%c2" ::"r"(p), "r"(stride), "i"(T) : "memory");
   }
   template <int T>
   static void store(void* p, std::size_t stride) {
-    static_assert(T == 0);
-    _tile_stored(0, p, stride);
+    __asm__ volatile("tilestored %%tmm%c2, (%0,%1,1)" ::"r"(p), "r"(stride), "i"(T) : "memory");
   }
   template <int C, int A, int B>
   static void dot() {
-    static_assert(C == 0 && (A == 2 || A == 3) && (B == 4 || B == 5) && !(A == 3 && B == 5));
-    if constexpr (A == 2 && B == 4) _tile_dpbf16ps(0, 2, 4);
-    if constexpr (A == 2 && B == 5) _tile_dpbf16ps(0, 2, 5);
-    if constexpr (A == 3 && B == 4) _tile_dpbf16ps(0, 3, 4);
+    __asm__ volatile("tdpbf16ps %%tmm%c2, %%tmm%c1, %%tmm%c0" ::"i"(C), "i"(A), "i"(B));
   }
 };
+
+template <class N>
+void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
+  amx::forward_dense_any<HardwareTiles, N>(r, tile, avx512_forward_dense);
+}
 
 }  // namespace
 
 const KernelTable& amx_kernels(bool avx512_bf16) {
-  auto make = [](const KernelTable& avx512) {
+  auto make = [](const KernelTable& avx512, ForwardFn dense) {
     return KernelTable{"amx",
                        avx512.forward_permute,
-                       amx::forward_dense_any<HardwareTiles>,
+                       dense,
                        avx512_accumulate_product,
                        avx512.permute_table_layout,
                        avx512.forward_norm_permute,
                        avx512.norm_table_layout,
                        avx512.cos_sin};
   };
-  static const KernelTable table = make(avx512_kernels(false));
-  static const KernelTable table_bf16 = make(avx512_kernels(true));
+  static const KernelTable table = make(avx512_kernels(false), forward_dense<avx512::NarrowExact>);
+  static const KernelTable table_bf16 =
+      make(avx512_kernels(true), forward_dense<avx512::NarrowBf16Insn>);
   return avx512_bf16 ? table_bf16 : table;
 }
 

@@ -59,6 +59,10 @@ struct EmulatedTiles {
   }
 };
 
+void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
+  amx::forward_dense_any<EmulatedTiles, avx512::NarrowExact>(r, tile, avx512_forward_dense);
+}
+
 }  // namespace
 
 const KernelTable& amx_emulated_kernels() {
@@ -66,7 +70,7 @@ const KernelTable& amx_emulated_kernels() {
   // this table exists for the dense tile model.
   static const KernelTable table{"amx-emulated",
                                  avx512_kernels(false).forward_permute,
-                                 amx::forward_dense_any<EmulatedTiles>,
+                                 forward_dense,
                                  avx512_accumulate_product,
                                  avx512_kernels(false).permute_table_layout,
                                  avx512_kernels(false).forward_norm_permute,
