@@ -42,11 +42,12 @@ constexpr std::size_t kTileRowBytes = 64;
 
 // out[32 rows][columns of tiles u0 .. u0 + U) = x · m over one block: k_tiles k-tiles of x
 // (x_lo: its lo part too), tiles of m from `first` (row-major over k-tiles, n_tiles per k-tile).
-template <class Tiles, int U>
+// between() runs after each k-tile's products: vector work that overlaps the tile unit's.
+template <class Tiles, int U, class Between>
 ROME_INLINE void tile_product(const TilePackedMatrix& m, std::int64_t first, std::int64_t n_tiles,
                               std::int64_t k_tiles, std::int64_t u0, const std::uint16_t* xh,
                               const std::uint16_t* xl, std::size_t x_stride, float* out,
-                              std::size_t out_stride) {
+                              std::size_t out_stride, Between& between) {
   static_assert(U == 1 || U == 2);
   Tiles::template zero<kAcc + 0>();
   Tiles::template zero<kAcc + 2>();
@@ -55,7 +56,7 @@ ROME_INLINE void tile_product(const TilePackedMatrix& m, std::int64_t first, std
     Tiles::template zero<kAcc + 3>();
   }
   const std::size_t x_half = kTileRows * x_stride;  // bytes to rows 16..31
-  auto dots = [](auto) {
+  auto dots = [] {
     Tiles::template dot<kAcc + 0, kX + 0, kM + 0>();
     Tiles::template dot<kAcc + 2, kX + 1, kM + 0>();
     if constexpr (U == 2) {
@@ -75,18 +76,19 @@ ROME_INLINE void tile_product(const TilePackedMatrix& m, std::int64_t first, std
     Tiles::template load<kX + 0>(xt, x_stride);
     Tiles::template load<kX + 1>(xt + x_half, x_stride);
     load_m(m.hi_tiles(), t);
-    dots(0);
+    dots();
     if (m.has_lo) {
       load_m(m.lo_tiles(), t);
-      dots(0);
+      dots();
     }
     if (xl) {
       const char* lt = reinterpret_cast<const char*>(xl + t * kTileK);
       Tiles::template load<kX + 0>(lt, x_stride);
       Tiles::template load<kX + 1>(lt + x_half, x_stride);
       load_m(m.hi_tiles(), t);
-      dots(0);
+      dots();
     }
+    between();
   }
   char* o = reinterpret_cast<char*>(out + u0 * kTileN);
   const std::size_t o_half = kTileRows * out_stride;
@@ -98,33 +100,53 @@ ROME_INLINE void tile_product(const TilePackedMatrix& m, std::int64_t first, std
   }
 }
 
-// out = x · m over every diagonal block, for 32 staged rows. x_block(bi) gives the block's bf16
-// hi rows (and lo rows, or null) and their stride in bytes. Blocks run in ascending order: a
-// tile's zero-padded columns spill into the next block's first lanes, which that block then
-// overwrites.
-template <class Tiles, class XBlock>
-void block_products(const TilePackedMatrix& m, const std::vector<RotationData::Block>& blocks,
-                    XBlock&& x_block, float* out, std::size_t out_stride) {
-  for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
-    const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
-    const std::int64_t k_tiles = (n + kTileK - 1) / kTileK, n_tiles = (n + kTileN - 1) / kTileN;
-    const auto [xh, xl, x_stride] = x_block(bi);
-    float* block_out = out + o;
-    std::int64_t u = 0;
-    for (; u + 2 <= n_tiles; u += 2)
-      tile_product<Tiles, 2>(m, m.block_first_tile[bi], n_tiles, k_tiles, u, xh, xl, x_stride,
-                             block_out, out_stride);
-    if (u < n_tiles)
-      tile_product<Tiles, 1>(m, m.block_first_tile[bi], n_tiles, k_tiles, u, xh, xl, x_stride,
-                             block_out, out_stride);
-  }
+// How a row group's staged x is laid out: bf16 rows as they are (every block whole k-tiles),
+// or each block's hi (and lo) lanes padded to whole k-tiles, blocks one after the other.
+struct Staging {
+  bool whole_tiles;
+  bool x_lo;
+  std::int64_t ks;  // bf16 lanes per staged row
+};
+
+inline std::int64_t k_tiles_of(std::int64_t n) {
+  return (n + kTileK - 1) / kTileK;
+}
+inline std::int64_t n_tiles_of(std::int64_t n) {
+  return (n + kTileN - 1) / kTileN;
 }
 
-struct XRows {
-  const std::uint16_t* hi;
-  const std::uint16_t* lo;  // null: x is exact in bf16
-  std::size_t stride;       // bytes between rows
-};
+// k-tile steps of one group's products (between() calls).
+inline std::int64_t product_steps(const RotationData& r) {
+  std::int64_t steps = 0;
+  for (const auto& b : r.dense_blocks) steps += (n_tiles_of(b.size) + 1) / 2 * k_tiles_of(b.size);
+  return steps * (r.a_identity ? 1 : 2);
+}
+
+// out = x · m over every diagonal block, for 32 rows of x (xh, xl, x_stride bytes apart). Blocks
+// run in ascending order: a tile's zero-padded columns spill into the next block's first lanes,
+// which that block then overwrites.
+template <class Tiles, class Between>
+void block_products(const TilePackedMatrix& m, const std::vector<RotationData::Block>& blocks,
+                    const Staging& st, const std::uint16_t* xh, const std::uint16_t* xl,
+                    std::size_t x_stride, float* out, std::size_t out_stride, Between& between) {
+  std::int64_t k_at = 0;  // the block's first staged lane (split staging)
+  for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
+    const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
+    const std::int64_t k_tiles = k_tiles_of(n), n_tiles = n_tiles_of(n);
+    const std::int64_t at = st.whole_tiles ? o : k_at;
+    const std::uint16_t* bh = xh + at;
+    const std::uint16_t* bl = st.x_lo ? xl + at : nullptr;
+    k_at += k_tiles * kTileK;
+    const std::int64_t first = m.block_first_tile[bi];
+    std::int64_t u = 0;
+    for (; u + 2 <= n_tiles; u += 2)
+      tile_product<Tiles, 2>(m, first, n_tiles, k_tiles, u, bh, bl, x_stride, out + o, out_stride,
+                             between);
+    if (u < n_tiles)
+      tile_product<Tiles, 1>(m, first, n_tiles, k_tiles, u, bh, bl, x_stride, out + o, out_stride,
+                             between);
+  }
+}
 
 inline __mmask16 first_lanes(std::int64_t n) {
   return n >= kW ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
@@ -139,51 +161,62 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
   const auto& packs = r.tile_packs();
   const bool dense_a = !r.a_identity;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
-  // bf16 rows copied as they are when every block is whole k-tiles (tile loads read them in
-  // place); otherwise each block is split into hi (and lo) rows padded to whole k-tiles.
-  bool whole_tiles = D == DType::bf16;
-  std::int64_t padded_k = 0;  // staged bf16 lanes per row, all blocks
-  std::int64_t out_lanes = 0;
+  Staging st{D == DType::bf16, D != DType::bf16, 0};
+  std::int64_t padded_k = 0, out_lanes = 0;
   for (const auto& b : r.dense_blocks) {
-    whole_tiles &= b.size % kTileK == 0;
-    padded_k += (b.size + kTileK - 1) / kTileK * kTileK;
-    out_lanes = std::max(out_lanes, b.offset + (b.size + kTileN - 1) / kTileN * kTileN);
+    st.whole_tiles &= b.size % kTileK == 0;
+    padded_k += k_tiles_of(b.size) * kTileK;
+    out_lanes = std::max(out_lanes, b.offset + n_tiles_of(b.size) * kTileN);
   }
-  const std::int64_t xs = (rd + kW - 1) / kW * kW;  // fp32 row stride
-  const std::int64_t ks =                           // bf16 row stride
-      ((whole_tiles ? rd : padded_k) + kTileK - 1) / kTileK * kTileK;
+  st.ks = k_tiles_of(st.whole_tiles ? rd : padded_k) * kTileK;
+  const std::int64_t ks = st.ks;
+  const std::int64_t xs = (rd + kW - 1) / kW * kW;  // fp32 row stride (split staging)
   const std::int64_t os = (std::max(out_lanes, xs) + kW - 1) / kW * kW;
-  const bool x_lo = D != DType::bf16;
+  const std::size_t out_stride = std::size_t(os) * sizeof(float);
   // A 16-bit x times a 16-bit table value is exact in fp32 (kernel_api.hpp): one fma.
   const bool exact = !dense_a && exact_products(tile);
+  // Two buffers of each: one group's products run while the previous group is finished.
+  const std::size_t group_bytes = sizeof(float) * std::size_t(kRows * (xs + 2 * os)) +
+                                  2 * sizeof(std::uint16_t) * std::size_t(kRows * ks);
   thread_local Scratch scratch;
-  // fp32 x rows (split path), x·B rows, x·A rows, then bf16 hi and lo rows.
-  float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(kRows * (xs + 2 * os)) +
-                                             2 * sizeof(std::uint16_t) * kRows * ks));
-  float* XB = X + kRows * xs;
-  float* XA = XB + kRows * os;
-  auto* xh = reinterpret_cast<std::uint16_t*>(XA + kRows * os);
-  std::uint16_t* xl = xh + kRows * ks;
-  const std::size_t out_stride = std::size_t(os) * sizeof(float);
-  std::vector<std::int64_t> block_k(r.dense_blocks.size());  // first staged lane of each block
-  for (std::size_t bi = 0, at = 0; bi < r.dense_blocks.size(); ++bi) {
-    block_k[bi] = std::int64_t(at);
-    at += std::size_t((r.dense_blocks[bi].size + kTileK - 1) / kTileK * kTileK);
-  }
-  auto x_block = [&](std::size_t bi) {
-    if (whole_tiles) return XRows{xh + r.dense_blocks[bi].offset, nullptr, std::size_t(ks) * 2};
-    return XRows{xh + block_k[bi], x_lo ? xl + block_k[bi] : nullptr, std::size_t(ks) * 2};
+  char* base = static_cast<char*>(scratch.get(2 * group_bytes));
+  struct Buffers {
+    float *X, *XB, *XA;  // fp32 x (split staging), x·B, x·A
+    std::uint16_t *xh, *xl;
+    // The group's bf16 rows as the products and the epilogue read them: xh, or x itself.
+    const std::uint16_t* rows;
+    std::int64_t row_step;  // elements
   };
-  Tiles::configure();
-  const bool pass = tile.copy_passthrough && hd > rd;
-  for (std::int64_t first = 0; first < tile.count; first += kRows) {
-    const int rows = int(std::min<std::int64_t>(kRows, tile.count - first));
-    // Every row is read before any is written: a row's y may be its x. Rows past the tile's
-    // end are zero (the tile unit multiplies all 32; their results are never stored).
+  auto rows_of = [&](std::int64_t first) {
+    return int(std::min<std::int64_t>(kRows, tile.count - first));
+  };
+  auto buffers = [&](int b) {
+    float* X = reinterpret_cast<float*>(base + b * group_bytes);
+    float* XB = X + kRows * xs;
+    float* XA = XB + kRows * os;
+    auto* xh = reinterpret_cast<std::uint16_t*>(XA + kRows * os);
+    return Buffers{X, XB, XA, xh, xh + kRows * ks, xh, ks};
+  };
+  // bf16 x in whole k-tiles, 32 rows evenly spaced forward: the tile unit and the epilogue read
+  // the rows where they are, nothing is staged. In place too: a group's products read only its
+  // own rows, and each row's lanes are read before the same lanes are written.
+  const bool direct = st.whole_tiles && tile.x_step > 0;
+  auto group = [&](std::int64_t first, int parity) {
+    Buffers b = buffers(parity);
+    if (direct && rows_of(first) == kRows) {
+      b.rows = static_cast<const std::uint16_t*>(tile.x_row(first));
+      b.row_step = tile.x_step / std::int64_t(sizeof(std::uint16_t));
+    }
+    return b;
+  };
+  // Every row of a group is read here, before any is written (a row's y may be its x). Rows
+  // past the tile's end are zero (the tile unit multiplies all 32; they are never stored).
+  auto stage = [&](std::int64_t first, const Buffers& b) {
+    const int rows = rows_of(first);
     for (int row = 0; row < kRows; ++row) {
       const T* x = row < rows ? static_cast<const T*>(tile.x_row(first + row)) : nullptr;
-      if (whole_tiles) {
-        std::uint16_t* dst = xh + row * ks;
+      if (st.whole_tiles) {
+        std::uint16_t* dst = b.xh + row * ks;
         for (std::int64_t j = 0; j < ks; j += 32) {
           const __mmask32 m = j + 32 <= rd
                                   ? ~__mmask32(0)
@@ -193,74 +226,105 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
         }
         continue;
       }
+      float* X = b.X + row * xs;
       for (std::int64_t j = 0; j < xs; j += kW)
-        _mm512_store_ps(X + row * xs + j,
-                        x ? L::load(x + j, first_lanes(rd - j)) : _mm512_setzero_ps());
-      for (std::size_t bi = 0; bi < r.dense_blocks.size(); ++bi) {
-        const std::int64_t o = r.dense_blocks[bi].offset, n = r.dense_blocks[bi].size;
-        const std::int64_t padded = (n + kTileK - 1) / kTileK * kTileK;
+        _mm512_store_ps(X + j, x ? L::load(x + j, first_lanes(rd - j)) : _mm512_setzero_ps());
+      std::int64_t k_at = 0;
+      for (const auto& block : r.dense_blocks) {
+        const std::int64_t padded = k_tiles_of(block.size) * kTileK;
         for (std::int64_t k = 0; k < padded; k += kW) {
-          const __m512 v = _mm512_maskz_loadu_ps(first_lanes(n - k), X + row * xs + o + k);
-          Bf16::store(xh + row * ks + block_k[bi] + k, v);
-          if (x_lo) {
-            const __m512 hi = Bf16::load(xh + row * ks + block_k[bi] + k);
-            Bf16::store(xl + row * ks + block_k[bi] + k, _mm512_sub_ps(v, hi));
-          }
+          const __m512 v = _mm512_maskz_loadu_ps(first_lanes(block.size - k), X + block.offset + k);
+          std::uint16_t* h = b.xh + row * ks + k_at + k;
+          Bf16::store(h, v);
+          if (st.x_lo) Bf16::store(b.xl + row * ks + k_at + k, _mm512_sub_ps(v, Bf16::load(h)));
         }
+        k_at += padded;
       }
     }
-    block_products<Tiles>(packs.b, r.dense_blocks, x_block, XB, out_stride);
-    if (dense_a) block_products<Tiles>(packs.a, r.dense_blocks, x_block, XA, out_stride);
-    for (int row = 0; row < rows; ++row) {
-      // The next rows load while these are finished (staging them waited on memory for a third
-      // of the kernel's time); one row per row, so the loads never queue up.
-      if (first + kRows + row < tile.count) {
-        const char* next = static_cast<const char*>(tile.x_row(first + kRows + row));
-        for (std::int64_t b = 0; b < rd * std::int64_t(sizeof(T)); b += 64)
-          _mm_prefetch(next + b, _MM_HINT_T0);
-      }
-      const float* c = tile.cos_row(first + row);
-      const float* s = tile.sin_row(first + row);
-      T* y = static_cast<T*>(tile.y_row(first + row));
-      // Table rows are padded with zeros to whole vectors: no masks to read them.
-      auto lanes = [&](std::int64_t j) {
-        const __m512 xa = dense_a       ? _mm512_load_ps(XA + row * os + j)
-                          : whole_tiles ? Bf16::load(xh + row * ks + j)
-                                        : _mm512_load_ps(X + row * xs + j);
-        const __m512 xb = _mm512_load_ps(XB + row * os + j);
-        const __m512 cj = _mm512_load_ps(c + j), sj = _mm512_load_ps(s + j);
-        return exact ? combine_exact_product(xa, cj, xb, sj) : combine(xa, cj, xb, sj);
-      };
-      std::int64_t j = 0;
-      for (; j + 2 * kW <= rd; j += 2 * kW) {
-        const __m512 v0 = lanes(j), v1 = lanes(j + kW);
-        if constexpr (L::kPairs) {
-          const __mmask16 subnormal =
-              _mm512_fpclass_ps_mask(v0, 0x20) | _mm512_fpclass_ps_mask(v1, 0x20);
-          if (__builtin_expect(subnormal == 0, 1)) {
-            _mm512_storeu_si512(y + j, L::narrow_pair(v0, v1));
-            continue;
-          }
+  };
+  // One row of a group, finished: y = xa ⊙ C + xb ⊙ S, and the passed-through lanes.
+  auto finish_row = [&](std::int64_t first, const Buffers& b, int row) {
+    const float* c = tile.cos_row(first + row);
+    const float* s = tile.sin_row(first + row);
+    T* y = static_cast<T*>(tile.y_row(first + row));
+    // Table rows are padded with zeros to whole vectors: no masks to read them.
+    auto lanes = [&](std::int64_t j) {
+      const __m512 xa = dense_a          ? _mm512_load_ps(b.XA + row * os + j)
+                        : st.whole_tiles ? Bf16::load(b.rows + row * b.row_step + j)
+                                         : _mm512_load_ps(b.X + row * xs + j);
+      const __m512 xb = _mm512_load_ps(b.XB + row * os + j);
+      const __m512 cj = _mm512_load_ps(c + j), sj = _mm512_load_ps(s + j);
+      return exact ? combine_exact_product(xa, cj, xb, sj) : combine(xa, cj, xb, sj);
+    };
+    std::int64_t j = 0;
+    for (; j + 2 * kW <= rd; j += 2 * kW) {
+      const __m512 v0 = lanes(j), v1 = lanes(j + kW);
+      if constexpr (L::kPairs) {
+        const __mmask16 subnormal =
+            _mm512_fpclass_ps_mask(v0, 0x20) | _mm512_fpclass_ps_mask(v1, 0x20);
+        if (__builtin_expect(subnormal == 0, 1)) {
+          _mm512_storeu_si512(y + j, L::narrow_pair(v0, v1));
+          continue;
         }
-        L::store(y + j, v0);
-        L::store(y + j + kW, v1);
       }
-      for (; j < rd; j += kW) {
-        const __mmask16 m = first_lanes(rd - j);
-        const __m512 v = lanes(j);
-        if (m == 0xffff)
-          L::store(y + j, v);
-        else
-          L::store(y + j, v, m);
-      }
+      L::store(y + j, v0);
+      L::store(y + j + kW, v1);
     }
-    if (pass)
-      for (int row = 0; row < rows; ++row)
-        copy_bytes(static_cast<T*>(tile.y_row(first + row)) + rd,
-                   static_cast<const T*>(tile.x_row(first + row)) + rd,
-                   (hd - rd) * std::int64_t(sizeof(T)), false);
+    for (; j < rd; j += kW) {
+      const __mmask16 m = first_lanes(rd - j);
+      const __m512 v = lanes(j);
+      if (m == 0xffff)
+        L::store(y + j, v);
+      else
+        L::store(y + j, v, m);
+    }
+    if (tile.copy_passthrough && hd > rd)
+      copy_bytes(y + rd, static_cast<const T*>(tile.x_row(first + row)) + rd,
+                 (hd - rd) * std::int64_t(sizeof(T)), false);
+  };
+  // Software pipeline over groups of 32 rows: while the tile unit multiplies group g, the vector
+  // units finish group g - 1 a few rows per k-tile step (run one after the other, the products
+  // and the epilogue took 16 + 9 ns per row in L2, overlapped the larger of them), and ask for
+  // group g + 1's rows, staged next.
+  const std::int64_t steps = product_steps(r);
+  struct Pending {
+    std::int64_t first = -1;  // the group being finished (-1: none)
+    int next_row = 0, rows = 0, per_step = 0;
+    Buffers b{};
+  } pending;
+  auto finish_some = [&](int count) {
+    for (; count > 0 && pending.next_row < pending.rows; --count, ++pending.next_row) {
+      const int row = pending.next_row;
+      const std::int64_t ahead = pending.first + 2 * kRows + row;  // staged after this group
+      if (ahead < tile.count) {
+        const char* next = static_cast<const char*>(tile.x_row(ahead));
+        for (std::int64_t byte = 0; byte < rd * std::int64_t(sizeof(T)); byte += 64)
+          _mm_prefetch(next + byte, _MM_HINT_T0);
+      }
+      finish_row(pending.first, pending.b, row);
+    }
+  };
+  auto between = [&] { finish_some(pending.per_step); };
+  Tiles::configure();
+  auto stage_group = [&](std::int64_t first, int parity) {
+    const Buffers b = group(first, parity);
+    if (b.rows == b.xh) stage(first, b);
+  };
+  stage_group(0, 0);
+  for (std::int64_t first = 0, g = 0; first < tile.count; first += kRows, ++g) {
+    const Buffers b = group(first, int(g & 1));
+    const std::size_t x_stride = std::size_t(b.row_step) * sizeof(std::uint16_t);
+    block_products<Tiles>(packs.b, r.dense_blocks, st, b.rows, b.xl, x_stride, b.XB, out_stride,
+                          between);
+    if (dense_a)
+      block_products<Tiles>(packs.a, r.dense_blocks, st, b.rows, b.xl, x_stride, b.XA, out_stride,
+                            between);
+    finish_some(kRows);
+    if (first + kRows < tile.count) stage_group(first + kRows, int((g + 1) & 1));
+    pending = Pending{first, 0, rows_of(first), int((rows_of(first) + steps - 1) / steps), b};
   }
   Tiles::release();
+  finish_some(kRows);
 }
 
 // fp32 x goes to `fma_kernel` (the AVX-512 FMA kernel: fp32 products for fp32 work).
