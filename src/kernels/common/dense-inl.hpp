@@ -4,7 +4,8 @@
 // Shape of the work: a group of R rows of x is staged in fp32; each column panel of B (packed
 // once per rotation, RotationData::panel_packs) is multiplied into an R × (2 vectors) register
 // tile, BLIS-style: per step of the inner loop two aligned panel loads, R broadcasts of x and
-// 2R fmas, with no masks (panels are zero-padded). The products land in an fp32 scratch row and
+// 2R fmas, with no masks (panels are zero-padded); a block's last panel holding at most kLanes
+// of its columns takes one vector per row. The products land in an fp32 scratch row and
 // the epilogue applies the tables with one rounding per lane. x·A, when A is dense, is a second
 // product into a second scratch row.
 //
@@ -27,30 +28,30 @@
 
 namespace rome::kernels::dense_common {
 
-// out[r][0, 2·kLanes) = x[r][0, k) · panel, for R rows (x rows `stride` floats apart).
-template <class V, int R>
+// out[r][0, C·kLanes) = x[r][0, k) · panel (its first C vectors of each panel row), for R rows
+// (x rows `stride` floats apart). C = 1 serves a block's last panel when at most kLanes of its
+// columns are the block's: half the fmas of a whole panel.
+template <class V, int R, int C>
 ROME_INLINE void panel_product(const float* x, std::int64_t stride, const float* panel,
                                std::int64_t k, float* out) {
   using F = typename V::F;
   constexpr int L = V::kLanes;
-  F acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  F acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) acc[r][v] = V::zero();
   for (std::int64_t i = 0; i < k; ++i) {
-    const F b0 = V::load(panel + i * 2 * L);
-    const F b1 = V::load(panel + i * 2 * L + L);
-#pragma GCC unroll 8
+    F b[C];
+    for (int v = 0; v < C; ++v) b[v] = V::load(panel + i * 2 * L + v * L);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const F xi = V::broadcast(x + r * stride + i);
-      acc[r][0] = V::fma(xi, b0, acc[r][0]);
-      acc[r][1] = V::fma(xi, b1, acc[r][1]);
+      for (int v = 0; v < C; ++v) acc[r][v] = V::fma(xi, b[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    V::store(out + r * stride, acc[r][0]);
-    V::store(out + r * stride + L, acc[r][1]);
-  }
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) V::store(out + r * stride + v * L, acc[r][v]);
 }
 
 // out = x · m over every diagonal block, for R rows. Blocks run in ascending order: a panel's
@@ -63,8 +64,12 @@ void block_products(const detail::PanelPackedMatrix& m,
   for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
     const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
     const float* panel = m.data() + m.block_first[bi];
-    for (std::int64_t c = 0; c < n; c += w, panel += n * w)
-      panel_product<V, R>(x + o, stride, panel, n, out + o + c);
+    for (std::int64_t c = 0; c < n; c += w, panel += n * w) {
+      if (n - c > V::kLanes)
+        panel_product<V, R, 2>(x + o, stride, panel, n, out + o + c);
+      else
+        panel_product<V, R, 1>(x + o, stride, panel, n, out + o + c);
+    }
   }
 }
 
@@ -92,10 +97,10 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
   float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(3 * R * stride)));
   float* XB = X + R * stride;
   float* XA = XB + R * stride;
-  // Lanes the products never write but the epilogue's last vector reads: defined, discarded.
+  // Lanes past rotary_dim the products may not write but the epilogue's last vector reads:
+  // defined, discarded.
   for (int row = 0; row < R; ++row)
-    for (std::int64_t j = packs.b.padded_columns; j < stride; ++j)
-      XB[row * stride + j] = XA[row * stride + j] = 0.0f;
+    for (std::int64_t j = rd; j < stride; ++j) XB[row * stride + j] = XA[row * stride + j] = 0.0f;
   const bool pass = tile.copy_passthrough && hd > rd;
   for (std::int64_t first = 0; first < tile.count; first += R) {
     const int rows = int(std::min<std::int64_t>(R, tile.count - first));
