@@ -4,7 +4,8 @@
 // Shape of the work: a group of R rows of x is staged in fp32; each column panel of B (packed
 // once per rotation, RotationData::panel_packs) is multiplied into an R × (2 vectors) register
 // tile, BLIS-style: per step of the inner loop two aligned panel loads, R broadcasts of x and
-// 2R fmas, with no masks (panels are zero-padded). The products land in an fp32 scratch row and
+// 2R fmas, with no masks (panels are zero-padded); a block's last panel holding at most kLanes
+// of its columns takes one vector per row. The products land in an fp32 scratch row and
 // the epilogue applies the tables with one rounding per lane. x·A, when A is dense, is a second
 // product into a second scratch row.
 //
@@ -27,30 +28,56 @@
 
 namespace rome::kernels::dense_common {
 
-// out[r][0, 2·kLanes) = x[r][0, k) · panel, for R rows (x rows `stride` floats apart).
-template <class V, int R>
+// out[r][0, C·kLanes) = x[r][0, k) · panel (its first C vectors of each panel row), for R rows
+// (x rows `stride` floats apart). C = 1 serves a block's last panel when at most kLanes of its
+// columns are the block's: half the fmas of a whole panel.
+template <class V, int R, int C>
 ROME_INLINE void panel_product(const float* x, std::int64_t stride, const float* panel,
                                std::int64_t k, float* out) {
   using F = typename V::F;
   constexpr int L = V::kLanes;
-  F acc[R][2];
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  F acc[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) acc[r][v] = V::zero();
   for (std::int64_t i = 0; i < k; ++i) {
-    const F b0 = V::load(panel + i * 2 * L);
-    const F b1 = V::load(panel + i * 2 * L + L);
-#pragma GCC unroll 8
+    F b[C];
+    for (int v = 0; v < C; ++v) b[v] = V::load(panel + i * 2 * L + v * L);
+#pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
       const F xi = V::broadcast(x + r * stride + i);
-      acc[r][0] = V::fma(xi, b0, acc[r][0]);
-      acc[r][1] = V::fma(xi, b1, acc[r][1]);
+      for (int v = 0; v < C; ++v) acc[r][v] = V::fma(xi, b[v], acc[r][v]);
     }
   }
-#pragma GCC unroll 8
-  for (int r = 0; r < R; ++r) {
-    V::store(out + r * stride, acc[r][0]);
-    V::store(out + r * stride + L, acc[r][1]);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < C; ++v) V::store(out + r * stride + v * L, acc[r][v]);
+}
+
+// Rows [row, end) of x (and of y, out of place) into the cache a few lines per step, the steps
+// spread over a group's products: issued at once, the prefetches stalled on the line fill
+// buffers (AVX-512, bf16 rows from DRAM: unprefetched, the loads of x and stores to y were half
+// the time outside the products).
+struct RowPrefetch {
+  const ForwardTile& tile;
+  std::int64_t row, end, row_bytes, per_step, byte = 0;
+
+  void step() {
+    const bool in_place = tile.x == tile.y;
+    for (std::int64_t n = 0; n < per_step && row < end; ++n) {
+      __builtin_prefetch(static_cast<const char*>(tile.x_row(row)) + byte);
+      if (!in_place) __builtin_prefetch(static_cast<const char*>(tile.y_row(row)) + byte, 1);
+      if ((byte += 64) >= row_bytes) byte = 0, ++row;
+    }
   }
+};
+
+// Panels x · m takes: the steps a RowPrefetch spreads over.
+inline std::int64_t panel_count(const detail::PanelPackedMatrix& m,
+                                const std::vector<detail::RotationData::Block>& blocks) {
+  std::int64_t panels = 0;
+  for (const auto& block : blocks) panels += (block.size + m.width - 1) / m.width;
+  return panels;
 }
 
 // out = x · m over every diagonal block, for R rows. Blocks run in ascending order: a panel's
@@ -58,24 +85,29 @@ ROME_INLINE void panel_product(const float* x, std::int64_t stride, const float*
 template <class V, int R>
 void block_products(const detail::PanelPackedMatrix& m,
                     const std::vector<detail::RotationData::Block>& blocks, const float* x,
-                    std::int64_t stride, float* out) {
+                    std::int64_t stride, float* out, RowPrefetch& prefetch) {
   const int w = m.width;
   for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
     const std::int64_t o = blocks[bi].offset, n = blocks[bi].size;
     const float* panel = m.data() + m.block_first[bi];
-    for (std::int64_t c = 0; c < n; c += w, panel += n * w)
-      panel_product<V, R>(x + o, stride, panel, n, out + o + c);
+    for (std::int64_t c = 0; c < n; c += w, panel += n * w) {
+      prefetch.step();
+      if (n - c > V::kLanes)
+        panel_product<V, R, 2>(x + o, stride, panel, n, out + o + c);
+      else
+        panel_product<V, R, 1>(x + o, stride, panel, n, out + o + c);
+    }
   }
 }
 
 template <class V, int R = V::kDenseRows>
 void block_products(int rows, const detail::PanelPackedMatrix& m,
                     const std::vector<detail::RotationData::Block>& blocks, const float* x,
-                    std::int64_t stride, float* out) {
+                    std::int64_t stride, float* out, RowPrefetch& prefetch) {
   if constexpr (R > 1) {
-    if (rows < R) return block_products<V, R - 1>(rows, m, blocks, x, stride, out);
+    if (rows < R) return block_products<V, R - 1>(rows, m, blocks, x, stride, out, prefetch);
   }
-  block_products<V, R>(m, blocks, x, stride, out);
+  block_products<V, R>(m, blocks, x, stride, out, prefetch);
 }
 
 template <class V, DType D>
@@ -92,11 +124,14 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
   float* X = static_cast<float*>(scratch.get(sizeof(float) * std::size_t(3 * R * stride)));
   float* XB = X + R * stride;
   float* XA = XB + R * stride;
-  // Lanes the products never write but the epilogue's last vector reads: defined, discarded.
+  // Lanes past rotary_dim the products may not write but the epilogue's last vector reads:
+  // defined, discarded.
   for (int row = 0; row < R; ++row)
-    for (std::int64_t j = packs.b.padded_columns; j < stride; ++j)
-      XB[row * stride + j] = XA[row * stride + j] = 0.0f;
+    for (std::int64_t j = rd; j < stride; ++j) XB[row * stride + j] = XA[row * stride + j] = 0.0f;
   const bool pass = tile.copy_passthrough && hd > rd;
+  const std::int64_t row_bytes = rd * std::int64_t(sizeof(T)),
+                     lines_per_row = (row_bytes + 63) / 64;
+  const std::int64_t steps = panel_count(packs.b, r.dense_blocks) * (dense_a ? 2 : 1);
   for (std::int64_t first = 0; first < tile.count; first += R) {
     const int rows = int(std::min<std::int64_t>(R, tile.count - first));
     // Stage the rows in fp32 before any write: a row's y may be its x.
@@ -107,8 +142,11 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
         V::store(X + row * stride + j, n == L ? Lanes::load(x + j) : Lanes::load(x + j, n));
       }
     }
-    block_products<V>(rows, packs.b, r.dense_blocks, X, stride, XB);
-    if (dense_a) block_products<V>(rows, packs.a, r.dense_blocks, X, stride, XA);
+    // The next group's rows, staged after these products.
+    RowPrefetch prefetch{tile, first + R, std::min(first + 2 * R, tile.count), row_bytes,
+                         (R * lines_per_row + steps - 1) / steps};
+    block_products<V>(rows, packs.b, r.dense_blocks, X, stride, XB, prefetch);
+    if (dense_a) block_products<V>(rows, packs.a, r.dense_blocks, X, stride, XA, prefetch);
     const float* xa_rows = dense_a ? XA : X;
     for (int row = 0; row < rows; ++row) {
       const float* xa = xa_rows + row * stride;
