@@ -25,6 +25,7 @@
 // when the core asks (out of place, output larger than the LLC), fenced at the end of the tile.
 //
 // GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -86,8 +87,19 @@ ROME_INLINE __mmask16 lanes_of(const Work& w, std::int64_t v) {
 template <typename L>
 using Row = TileRow<typename L::T>;
 
+// Also asks for the x row about 4 KiB ahead: on the AVX-512 Xeon one core stalled on x's loads
+// with only the hardware prefetchers streaming a head's rows (seed tensor in place, 1 thread:
+// 32.2 -> 27.7 ms). Rows over 1 KiB are long sequential runs the prefetchers follow alone.
 template <typename L>
-ROME_INLINE Row<L> row_of(const ForwardTile& tile, std::int64_t n) {
+ROME_INLINE Row<L> row_of(const Work& w, const ForwardTile& tile, std::int64_t n) {
+  const std::int64_t bytes = w.hd * std::int64_t(sizeof(typename L::T));
+  if (bytes <= 1024) {
+    const std::int64_t ahead = n + 4096 / std::max<std::int64_t>(bytes, 64);
+    if (ahead < tile.count) {
+      const char* next = static_cast<const char*>(tile.x_row(ahead));
+      for (std::int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
+  }
   return tile_row<typename L::T>(tile, n);
 }
 
@@ -146,7 +158,7 @@ template <typename L, int VC, bool kPairs>
 ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const T* x = row.x;
     T* y = row.y;
     auto permute = [&](__m512 xv, std::int64_t v) {
@@ -177,7 +189,7 @@ template <typename L, int VC, int K>
 ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const T* x = row.x;
     T* y = row.y;
     __m512 in[VC], out[VC];
@@ -196,7 +208,7 @@ template <typename L, int VC, bool kMove>
 ROME_INLINE void rows_single_fixed(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const T* x = row.x;
     T* y = row.y;
     __m512 out[VC];
@@ -230,7 +242,7 @@ ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
   const bool a_identity = w.r->a_identity;
   constexpr int P = VC / 2;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const T* x = row.x;
     T* y = row.y;
     __m512 in[VC], out[VC];
@@ -305,7 +317,7 @@ template <typename L>
 ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const T* x = row.x;
     T* y = row.y;
     row_general<L>(w, row);
@@ -317,7 +329,7 @@ template <typename L, bool kMove>
 ROME_INLINE void rows_single_any(const Work& w, const ForwardTile& tile) {
   using T = typename L::T;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const T* x = row.x;
     T* y = row.y;
     if (static_cast<const void*>(x) == static_cast<const void*>(y))
