@@ -25,6 +25,8 @@
 //   --repeats R         timed samples (default 20); --warmup W (default 3)
 //   --inner K           calls per sample (default: auto, so a sample lasts >= 1 ms)
 //   --in-place          rotate q/k in place instead of writing separate outputs
+//   --bsnd              q/k (and outputs) laid out token-major, [B, S, N, D] in memory, as
+//                       transformers hands them over before its transpose (--q stays B,N,S,D)
 //   --qk-norm           rome::qk_norm_rope (per-head RMSNorm + RoPE, in place) on token-major
 //                       q [T, Hq, D] and k [T, Hk, D] (give --q T,Hq,D --k T,Hk,D)
 //   --isa NAME          cap the ISA (scalar|avx2|avx512|amx)
@@ -128,9 +130,10 @@ std::vector<std::int64_t> lane_frequency_index(const std::string& kind,
   return index;
 }
 
+// token_major: a rank-4 [B, N, S, D] view over memory laid out [B, S, N, D] (BSND).
 template <typename Pointer>
-rome::BasicView<Pointer> view_of(Pointer data, DType dtype,
-                                 const std::vector<std::int64_t>& shape) {
+rome::BasicView<Pointer> view_of(Pointer data, DType dtype, const std::vector<std::int64_t>& shape,
+                                 bool token_major = false) {
   rome::BasicView<Pointer> v;
   v.data = data;
   v.dtype = dtype;
@@ -140,6 +143,10 @@ rome::BasicView<Pointer> view_of(Pointer data, DType dtype,
     v.shape[d] = shape[d];
     v.strides[d] = stride;
     stride *= shape[d];
+  }
+  if (token_major && v.rank == 4) {
+    v.strides[1] = shape[3];
+    v.strides[2] = shape[1] * shape[3];
   }
   return v;
 }
@@ -178,13 +185,14 @@ std::string shape_json(const std::vector<std::int64_t>& s) {
 }
 
 int usage(const char* why) {
-  std::fprintf(stderr,
-               "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
-               "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
-               "[--tile-tokens T] "
-               "[--repeats R] [--warmup W] [--inner K] [--in-place] [--qk-norm] [--force-dense] "
-               "[--isa NAME]\n",
-               why);
+  std::fprintf(
+      stderr,
+      "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
+      "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
+      "[--tile-tokens T] "
+      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--qk-norm] [--force-dense] "
+      "[--matrix-dtype f32|bf16] [--isa NAME]\n",
+      why);
   return 2;
 }
 
@@ -197,7 +205,7 @@ int main(int argc, char** argv) {
   DType dtype = DType::bf16, table_dtype = DType::f32, matrix_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0;
-  bool in_place = false, force_dense = false, qk_norm = false;
+  bool in_place = false, force_dense = false, qk_norm = false, bsnd = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -233,6 +241,8 @@ int main(int argc, char** argv) {
         inner = std::stoi(value());
       else if (a == "--in-place")
         in_place = true;
+      else if (a == "--bsnd")
+        bsnd = true;
       else if (a == "--qk-norm")
         qk_norm = in_place = true;
       else if (a == "--force-dense")
@@ -334,13 +344,13 @@ int main(int argc, char** argv) {
     norm.q_weight = view_of<const void*>(q_weight.data(), DType::f32, {dim});
     norm.k_weight = view_of<const void*>(k_weight.data(), DType::f32, {dim});
 
-    auto qv = view_of<void*>(q.data, dtype, q_shape);
-    auto qo = in_place ? qv : view_of<void*>(q_out.data, dtype, q_shape);
+    auto qv = view_of<void*>(q.data, dtype, q_shape, bsnd);
+    auto qo = in_place ? qv : view_of<void*>(q_out.data, dtype, q_shape, bsnd);
     const rome::Operand q_op{rome::as_const(qv), qo};
     rome::Operand k_op;
     if (k_elems) {
-      auto kv = view_of<void*>(k.data, dtype, k_shape);
-      auto ko = in_place ? kv : view_of<void*>(k_out.data, dtype, k_shape);
+      auto kv = view_of<void*>(k.data, dtype, k_shape, bsnd);
+      auto ko = in_place ? kv : view_of<void*>(k_out.data, dtype, k_shape, bsnd);
       k_op = {rome::as_const(kv), ko};
     }
     rome::ExecOptions options;
