@@ -172,6 +172,53 @@ const PanelPacks& RotationData::panel_packs(int width) const {
   return lazy_panel_packs_->packs[slot];
 }
 
+namespace {
+
+// Zero or a normal bf16 value: its product with a bf16 value is exact in fp32, also on the
+// dot-product instruction, which reads bf16 subnormals as zero.
+bool bf16_dot_exact(float v) {
+  const std::uint32_t bits = float_bits(v), exponent = bits & 0x7f800000u;
+  return (bits & 0xffffu) == 0 && (exponent != 0 || (bits & 0x7fffffffu) == 0);
+}
+
+PairPanelMatrix pack_pair_panels(const std::vector<float>& m, std::int64_t dim,
+                                 const std::vector<RotationData::Block>& blocks) {
+  constexpr int w = PairPanelMatrix::kWidth;
+  PairPanelMatrix packed;
+  std::int64_t words = 0;
+  for (const auto& block : blocks) {
+    packed.block_first.push_back(words);
+    const std::int64_t panels = (block.size + w - 1) / w;
+    words += panels * ((block.size + 1) / 2) * w;
+    packed.padded_columns = std::max(packed.padded_columns, block.offset + panels * w);
+  }
+  packed.storage.assign(std::size_t(words) + 16, 0u);
+  auto* data = const_cast<std::uint32_t*>(packed.data());
+  for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
+    const std::int64_t o = blocks[bi].offset, n = blocks[bi].size, pairs = (n + 1) / 2;
+    for (std::int64_t i = 0; i < n; ++i)
+      for (std::int64_t j = 0; j < n; ++j)
+        data[packed.block_first[bi] + (j / w) * pairs * w + (i / 2) * w + j % w] |=
+            std::uint32_t(float_bits(m[(o + i) * dim + o + j]) >> 16) << (16 * (i % 2));
+  }
+  return packed;
+}
+
+}  // namespace
+
+const PairPanelPacks& RotationData::pair_panel_packs() const {
+  std::call_once(lazy_pair_panel_packs_->once, [&] {
+    PairPanelPacks& packs = lazy_pair_panel_packs_->packs;
+    packs.bf16_exact = kind == Rotation::Kind::dense &&
+                       std::all_of(dense_a.begin(), dense_a.end(), bf16_dot_exact) &&
+                       std::all_of(dense_b.begin(), dense_b.end(), bf16_dot_exact);
+    if (!packs.bf16_exact) return;
+    if (!dense_a.empty()) packs.a = pack_pair_panels(dense_a, rotary_dim, dense_blocks);
+    packs.b = pack_pair_panels(dense_b, rotary_dim, dense_blocks);
+  });
+  return lazy_pair_panel_packs_->packs;
+}
+
 std::uint64_t next_rotation_uid() noexcept {
   static std::atomic<std::uint64_t> next{1};
   return next.fetch_add(1, std::memory_order_relaxed);

@@ -94,6 +94,30 @@ struct PanelPacks {
   PanelPackedMatrix a, b;  // a empty when A = I
 };
 
+// A dense matrix exact in bf16, packed for the bf16 dot-product kernels (vdpbf16ps): per diagonal
+// block, column panels kWidth columns wide (zero past the block's end) of (size + 1) / 2 rows of
+// kWidth 32-bit words. Word j of row p holds the pair m[2p][j] (low half), m[2p + 1][j] (high
+// half) as bf16; an odd block's last row has a zero high half. Panel q of block bi starts at
+// data() + block_first[bi] + q·pairs·kWidth.
+struct PairPanelMatrix {
+  static constexpr int kWidth = 32;
+  std::vector<std::int64_t> block_first;
+  std::int64_t padded_columns = 0;     // the last panel's end: kernels' scratch rows need this many
+  std::vector<std::uint32_t> storage;  // the panels plus 16 words of slack for the alignment
+
+  // The first 64-byte aligned word of storage (derived, so a copy stays correct).
+  const std::uint32_t* data() const {
+    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
+    return storage.data() + (64 - address % 64) % 64 / sizeof(std::uint32_t);
+  }
+};
+struct PairPanelPacks {
+  // Every entry of B (and of A when dense) is zero or a normal bf16 value, so its products with
+  // bf16 x are exact in fp32 (the instruction reads subnormals as zero). False: nothing packed.
+  bool bf16_exact = false;
+  PairPanelMatrix a, b;  // a empty when A = I
+};
+
 // A number no other rotation built in this process has (copies keep it: they share the
 // analysed matrices). Kernels that cache per-rotation data check it before comparing content.
 std::uint64_t next_rotation_uid() noexcept;
@@ -137,6 +161,8 @@ struct RotationData {
   const TilePacks& tile_packs() const;
   // Built on first use by the FMA dense kernels; width 16 or 32 floats.
   const PanelPacks& panel_packs(int width) const;
+  // Built on first use by the bf16 dot-product kernel (and by tests asking whether it applies).
+  const PairPanelPacks& pair_panel_packs() const;
 
  private:
   struct LazyTilePacks {
@@ -149,6 +175,12 @@ struct RotationData {
     PanelPacks packs[2];
   };
   std::shared_ptr<LazyPanelPacks> lazy_panel_packs_ = std::make_shared<LazyPanelPacks>();
+  struct LazyPairPanelPacks {
+    std::once_flag once;
+    PairPanelPacks packs;
+  };
+  std::shared_ptr<LazyPairPanelPacks> lazy_pair_panel_packs_ =
+      std::make_shared<LazyPairPanelPacks>();
 };
 
 }  // namespace rome::detail

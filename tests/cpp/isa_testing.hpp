@@ -6,6 +6,8 @@
 #include <string>
 #include <vector>
 
+#include "core/dispatch.hpp"
+#include "core/rotation_data.hpp"
 #include "rome/rope.hpp"
 
 namespace rome::testing {
@@ -39,6 +41,14 @@ class ScopedIsa {
   ScopedIsa(const ScopedIsa&) = delete;
   ScopedIsa& operator=(const ScopedIsa&) = delete;
 };
+
+// Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU with
+// AVX512-BF16, bf16 x, matrices exact in bf16): summed in the instruction's order and held to the
+// dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.
+inline bool takes_bf16_dot_path(Isa isa, const Rotation& rotation, DType dtype) {
+  return isa == Isa::avx512 && dtype == DType::bf16 && detail::cpu_features().avx512_bf16 &&
+         rotation.data().pair_panel_packs().bf16_exact;
+}
 
 inline std::string isa_param_name(Isa isa) {
   return isa_name(isa);

@@ -598,8 +598,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16) {
       "avx512", forward_permute_any<false>, avx512_forward_dense,   avx512_accumulate_product,
       nullptr,  avx2_forward_norm_permute,  avx2_norm_table_layout, avx512_cos_sin};
   static const KernelTable table_bf16{
-      "avx512", forward_permute_any<true>, avx512_forward_dense,   avx512_accumulate_product,
-      nullptr,  avx2_forward_norm_permute, avx2_norm_table_layout, avx512_cos_sin};
+      "avx512", forward_permute_any<true>, avx512_bf16_forward_dense, avx512_accumulate_product,
+      nullptr,  avx2_forward_norm_permute, avx2_norm_table_layout,    avx512_cos_sin};
   return avx512_bf16 ? table_bf16 : table;
 }
 
