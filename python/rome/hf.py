@@ -691,3 +691,5 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
             "no modeling module of the model defines apply_rotary_pos_emb"
         warnings.warn(f"rome.hf.patch_model: nothing patched ({reasons})", stacklevel=2)
     return handle
+
+from .hf_kernels import kernel_mapping, kernelize, kernelized_functions, unkernelize  # noqa: E402,F401
