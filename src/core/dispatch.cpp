@@ -68,6 +68,9 @@ CpuFeatures detect() {
   unsigned a1, b1, c1, d1;
   __cpuid_count(7, 1, a1, b1, c1, d1);
   f.avx512_bf16 = zmm_state && (a1 & (1u << 5));
+  unsigned max_leaf = 0, vendor[3] = {};
+  __cpuid(0, max_leaf, vendor[0], vendor[2], vendor[1]);  // "AuthenticAMD" in ebx, edx, ecx
+  f.fast_bf16_dot = f.avx512_bf16 && std::memcmp(vendor, "AuthenticAMD", 12) == 0;
   if (f.amx_tile && f.amx_bf16) f.amx_permitted = request_amx_permission();
 #endif
   return f;
@@ -136,7 +139,8 @@ const kernels::KernelTable& active_kernels() noexcept {
     case Isa::amx: return kernels::amx_kernels(cpu_features().avx512_bf16);
 #endif
 #ifdef ROME_HAVE_AVX512
-    case Isa::avx512: return kernels::avx512_kernels(cpu_features().avx512_bf16);
+    case Isa::avx512:
+      return kernels::avx512_kernels(cpu_features().avx512_bf16, cpu_features().fast_bf16_dot);
 #endif
 #ifdef ROME_HAVE_AVX2
     case Isa::avx2: return kernels::avx2_kernels();

@@ -8,7 +8,7 @@ namespace rome::kernels {
 void avx2_forward_dense(const detail::RotationData& rotation, const ForwardTile& tile);
 void avx512_forward_dense(const detail::RotationData& rotation, const ForwardTile& tile);
 // avx512_forward_dense, but bf16 x times a matrix exact in bf16 takes vdpbf16ps: for CPUs with
-// AVX512-BF16 only (avx512_kernels(true)).
+// AVX512-BF16 only (avx512_kernels(true, true)).
 void avx512_bf16_forward_dense(const detail::RotationData& rotation, const ForwardTile& tile);
 void scalar_accumulate_product(std::int64_t rows, std::int64_t k, std::int64_t n, const float* a,
                                std::int64_t lda, const float* b, std::int64_t ldb, float* c,

@@ -118,10 +118,12 @@ struct KernelTable {
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags. Feature bits
 // beyond the ISA come in as arguments (the core reads CPUID; kernels never ask):
-// avx512_bf16 = the CPU has AVX512-BF16, whose vcvtne(2)ps2bf16 narrows bf16 rows.
+// avx512_bf16 = the CPU has AVX512-BF16, whose vcvtne(2)ps2bf16 narrows bf16 rows;
+// bf16_dot = its vdpbf16ps issues as often as an fma, so bf16 x times a bf16-exact dense matrix
+// runs as dot products (needs avx512_bf16).
 const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
-const KernelTable& avx512_kernels(bool avx512_bf16);
+const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot = false);
 const KernelTable& amx_kernels(bool avx512_bf16);
 
 void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,

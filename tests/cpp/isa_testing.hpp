@@ -42,11 +42,11 @@ class ScopedIsa {
   ScopedIsa& operator=(const ScopedIsa&) = delete;
 };
 
-// Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU with
-// AVX512-BF16, bf16 x, matrices exact in bf16): summed in the instruction's order and held to the
-// dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.
+// Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU whose
+// vdpbf16ps the core uses, bf16 x, matrices exact in bf16): summed in the instruction's order and
+// held to the dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.
 inline bool takes_bf16_dot_path(Isa isa, const Rotation& rotation, DType dtype) {
-  return isa == Isa::avx512 && dtype == DType::bf16 && detail::cpu_features().avx512_bf16 &&
+  return isa == Isa::avx512 && dtype == DType::bf16 && detail::cpu_features().fast_bf16_dot &&
          rotation.data().pair_panel_packs().bf16_exact;
 }
 
