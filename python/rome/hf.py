@@ -410,6 +410,12 @@ def _contract(module: ModuleType):
         return None, "no apply_rotary_pos_emb"
     if not callable(original):
         return None, "apply_rotary_pos_emb is not callable"
+    if isinstance(original, torch.nn.Module):
+        # transformers' hub-kernel decorator (active with a kernels version it accepts) turns the
+        # function into a hook layer: read the function it wraps.
+        from .hf_kernels import _hooked_function
+
+        original = _hooked_function(type(original)) or original
     fn = forms.function_def(_source_of(original) or "")
     if fn is None:
         return None, "source of apply_rotary_pos_emb unavailable"

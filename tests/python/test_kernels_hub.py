@@ -215,3 +215,21 @@ def test_transformers_use_kernels_picks_rome_on_cpu(child_report):
 if __name__ == "__main__":
     torch.manual_seed(0)
     print(json.dumps(_child()))
+
+
+@pytest.mark.one_isa
+def test_patch_model_reads_the_function_inside_a_hub_kernel_hook():
+    # With a kernels version transformers accepts, each modeling module's apply_rotary_pos_emb is a
+    # hook layer, not a function: rome.hf still recognises its form.
+    import types
+
+    module = types.ModuleType("hooked_modeling")
+    module.apply_rotary_pos_emb = kernels.use_kernel_forward_from_hub(
+        rome.hf_kernels.LAYER_NAME)(_llama_rope)
+    assert isinstance(module.apply_rotary_pos_emb, torch.nn.Module)
+    replacement, reason = rome.hf._contract(module)
+    assert replacement is not None, reason
+    q, k = torch.randn(1, 4, 3, 32), torch.randn(1, 2, 3, 32)
+    cos, sin = _tables(1, 3, 32)
+    for got, want in zip(replacement(q, k, cos, sin), _llama_rope(q, k, cos, sin)):
+        torch.testing.assert_close(got, want)
