@@ -159,5 +159,8 @@ float float_from_fp16_bits(uint16_t bits) noexcept;
 
 std::vector<uint16_t> to_bf16_bits(std::span<const float> values);
 std::vector<uint16_t> to_fp16_bits(std::span<const float> values);
+// The same into `out` (values.size() elements): one call per row, not one per element.
+void to_bf16_bits(std::span<const float> values, uint16_t* out) noexcept;
+void to_fp16_bits(std::span<const float> values, uint16_t* out) noexcept;
 
 }  // namespace rome::tables

@@ -527,15 +527,23 @@ float float_from_fp16_bits(uint16_t bits) noexcept {
   return detail::fp16_to_float(bits);
 }
 
+void to_bf16_bits(std::span<const float> values, uint16_t* out) noexcept {
+  for (std::size_t i = 0; i < values.size(); ++i) out[i] = detail::float_to_bf16(values[i]);
+}
+
+void to_fp16_bits(std::span<const float> values, uint16_t* out) noexcept {
+  for (std::size_t i = 0; i < values.size(); ++i) out[i] = detail::float_to_fp16(values[i]);
+}
+
 std::vector<uint16_t> to_bf16_bits(std::span<const float> values) {
   std::vector<uint16_t> out(values.size());
-  std::transform(values.begin(), values.end(), out.begin(), bf16_bits);
+  to_bf16_bits(values, out.data());
   return out;
 }
 
 std::vector<uint16_t> to_fp16_bits(std::span<const float> values) {
   std::vector<uint16_t> out(values.size());
-  std::transform(values.begin(), values.end(), out.begin(), fp16_bits);
+  to_fp16_bits(values, out.data());
   return out;
 }
 

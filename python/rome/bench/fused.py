@@ -48,8 +48,13 @@ def cell(tokens: int, threads: int, repeats: int, memmove: Memmove, inner_small:
     cache_bf16 = cache.to(torch.bfloat16)  # vLLM's RotaryEmbedding casts its cache to the model dtype
     positions = torch.randint(0, 8192, (tokens,), generator=g)
     qkv = torch.randn(tokens, (HQ + HK + HV) * D, generator=g).to(torch.bfloat16)
-    wq = (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16)
-    wk = (torch.rand(D, generator=g) + 0.5).to(torch.bfloat16)
+    # Unit weights: the in-place ops run again and again on the same qkv, and with lane weights
+    # of 0.5-1.5 norm + rotation acted as a power iteration, driving most lanes to bf16
+    # subnormals within a few hundred calls (on the AMX Xeon, fused_qk_norm_rope at T = 1 took
+    # 84 us on such data against 9 us on fresh data: every op on the same qkv was timing
+    # microcode assists). The kernels' cost does not depend on the weights' values.
+    wq = torch.ones(D, dtype=torch.bfloat16)
+    wk = torch.ones(D, dtype=torch.bfloat16)
     blocks = max(4, (tokens + 15) // 16 * 2)
     kc = torch.zeros(blocks, 16, HK, D, dtype=torch.bfloat16)
     vc = torch.zeros_like(kc)
