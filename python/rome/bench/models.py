@@ -10,6 +10,9 @@ the modeling module's RoPE function and the rotary embedding module, measured by
 a timed run of its own; not for Wan, whose RoPE is inline in its attention processor), the
 speed-up, and the largest output difference relative to the largest output.
 
+:func:`save` writes models.{md,json,csv,png} (the chart: time per layer or block without and with
+RoME); ``python -m rome.bench.models [--only KEYS] [--no-decode] --out DIR`` runs this table alone.
+
 The vocabulary is cut to 1024 entries (the embedding and LM head are not what is measured; the
 real 128K-152K vocabularies would dominate a one-layer model). The dtype is bf16 where the CPU
 has bf16 matrix hardware (AVX512-BF16 or AMX) and fp32 elsewhere: without it torch's bf16 matmul
@@ -17,10 +20,13 @@ runs about 10x slower than its sgemm and no user would run a model that way.
 """
 
 import contextlib
+import csv
+import json
 import statistics
 import sys
 import time
-from typing import Callable, Dict, List
+from pathlib import Path
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -74,6 +80,21 @@ def _qwen2vl_7b_text(layers: int):
                                              "mrope_section": [16, 24, 24]},
                             attn_implementation="sdpa")
     return Qwen2VLTextModel(cfg), "transformers.models.qwen2_vl.modeling_qwen2_vl"
+
+
+def _internvl3_8b_text(layers: int):
+    from transformers import AutoModel, InternVLConfig
+
+    # InternVL3-8B's language model, built as InternVLModel builds it
+    # (AutoModel.from_config(config.text_config), a qwen2 text config by default): Qwen2.5-7B's
+    # shape, 28 heads / 4 KV heads of 128, FFN 18944, RoPE theta 1e6, half rotation.
+    cfg = InternVLConfig(text_config={
+        "model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944,
+        "num_attention_heads": 28, "num_key_value_heads": 4, "num_hidden_layers": layers,
+        "vocab_size": VOCAB, "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "bos_token_id": 0, "eos_token_id": 1})
+    model = AutoModel.from_config(cfg.text_config, attn_implementation="sdpa")
+    return model, type(model).__module__
 
 
 def _mrope_positions(seq: int) -> torch.Tensor:
@@ -197,6 +218,47 @@ def _patch_wan(model):
         yield handle.active
 
 
+def _hunyuan_video(layers: int):
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    # HunyuanVideo (hunyuanvideo-community/HunyuanVideo's transformer config, spelled out so a
+    # change of diffusers' defaults cannot change the row): 24 heads of 128, text 4096 through a
+    # 2-layer token refiner, pooled 768, 3D RoPE t/h/w 16/56/56 (theta 256, interleaved pairs).
+    # One double-stream and one single-stream block: the single one rotates the video part of its
+    # joint q/k, a slice of the sequence.
+    model = HunyuanVideoTransformer3DModel(
+        in_channels=16, out_channels=16, num_attention_heads=24, attention_head_dim=128,
+        num_layers=layers, num_single_layers=layers, num_refiner_layers=2, mlp_ratio=4.0,
+        patch_size=2, patch_size_t=1, qk_norm="rms_norm", guidance_embeds=True,
+        text_embed_dim=4096, pooled_projection_dim=768, rope_theta=256.0,
+        rope_axes_dim=(16, 56, 56))
+    # Its processor imports apply_rotary_emb from here inside __call__ (see _patch_hunyuan_video).
+    return model, "diffusers.models.embeddings"
+
+
+def _hunyuan_video_inputs(seq: int, dtype: torch.dtype) -> Dict:
+    """4 latent frames of a square grid: seq video tokens after the 1x2x2 patches; seq // 4 text
+    tokens; guidance as the pipeline scales it (x1000)."""
+    side = int((seq // 4) ** 0.5)
+    text = seq // 4
+    return {"hidden_states": torch.randn(1, 16, 4, 2 * side, 2 * side).to(dtype),
+            "timestep": torch.tensor([500]),
+            "encoder_hidden_states": torch.randn(1, text, 4096).to(dtype),
+            "encoder_attention_mask": torch.ones(1, text, dtype=torch.long),
+            "pooled_projections": torch.randn(1, 768).to(dtype),
+            "guidance": torch.tensor([6000.0]).to(dtype), "return_dict": False}
+
+
+def _patch_hunyuan_video(model):
+    """HunyuanVideo's processor runs `from ..embeddings import apply_rotary_emb` at every call
+    (sequence_dim=1, interleaved pairs): the name to replace is diffusers.models.embeddings'. That
+    reaches every processor importing it that way, which is fine for the one model timed here."""
+    import rome.diffusers
+
+    return _module_name_replaced("diffusers.models.embeddings", "apply_rotary_emb",
+                                 rome.diffusers.apply_rotary_emb)
+
+
 @contextlib.contextmanager
 def _patch_hf(model):
     with rome.hf.patch_model(model, warn=False) as handle:
@@ -228,6 +290,11 @@ MODELS = [
      _qwen_image_inputs, _patch_qwen_image, "apply_rotary_emb_qwen"),
     ("wan21_1_3b", "Wan2.1-T2V-1.3B block (interleaved 3D RoPE 44/42/42, 12 heads)", _wan21,
      _wan_inputs, _patch_wan, "rope"),
+    ("internvl3_8b", "InternVL3-8B text (Qwen2.5-7B-shaped, half, GQA 28/4)", _internvl3_8b_text,
+     _hf_inputs(None), _patch_hf, "apply_rotary_pos_emb"),
+    ("hunyuan_video", "HunyuanVideo double- + single-stream block (interleaved 3D RoPE "
+     "16/56/56, 24 heads)", _hunyuan_video, _hunyuan_video_inputs, _patch_hunyuan_video,
+     "apply_rotary_emb"),
 ]
 # Models whose RoPE diffusers computes inline (no function to time): RoPE's share without RoME
 # is not measured (the rotary module's table time alone would understate it).
@@ -376,7 +443,10 @@ def decode_row(dtype: torch.dtype, tokens: int, prompt: int, repeats: int, threa
 
 
 def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
-        progress: Callable[[str], None] = print) -> Dict:
+        progress: Callable[[str], None] = print, only: Sequence[str] = (),
+        decode: bool = True) -> Dict:
+    """`only`: model keys to run (default: every model; --quick: the first); `decode=False`
+    skips the decode row."""
     dtype = torch.bfloat16 if _bf16_hardware() else torch.float32
     seq = 64 if quick else 256  # the seed's 4096+ tokens scaled down: a forward takes seconds here
     repeats = repeats or (2 if quick else 3)
@@ -385,7 +455,8 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
     start = time.perf_counter()
     rows: List[Dict] = []
     try:
-        for spec in (MODELS[:1] if quick else MODELS):
+        specs = [s for s in MODELS if s[0] in only] if only else (MODELS[:1] if quick else MODELS)
+        for spec in specs:
             progress(f"models: {spec[1]}, S={seq}, {threads} thread(s)")
             try:
                 rows.append(model_row(spec, seq, dtype, repeats, threads))
@@ -393,18 +464,20 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
                 rows.append({"key": spec[0], "title": spec[1], "seq": seq, "threads": threads,
                              "error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"})
         layers = 1 if quick else 2  # --quick (CI): one layer, as building the weights dominates
-        progress(f"models: decode, {layers}-layer Llama-3.1-8B shape")
-        try:
-            decode = decode_row(dtype, 8 if quick else 32, 16, 2, threads, layers)
-        except Exception as e:
-            decode = {"error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"}
+        decode_res = None
+        if decode:
+            progress(f"models: decode, {layers}-layer Llama-3.1-8B shape")
+            try:
+                decode_res = decode_row(dtype, 8 if quick else 32, 16, 2, threads, layers)
+            except Exception as e:
+                decode_res = {"error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"}
     finally:
         torch.set_num_threads(saved)
-    return {"rows": rows, "decode": decode, "isa": rome.active_isa(), "dtype": str(dtype),
+    return {"rows": rows, "decode": decode_res, "isa": rome.active_isa(), "dtype": str(dtype),
             "wall_s": round(time.perf_counter() - start, 1)}
 
 
-def markdown(res: Dict) -> str:
+def markdown(res: Dict, png_name: Optional[str] = None) -> str:
     lines = [
         f"### Real models with and without RoME ({res['isa']}; one decoder layer or block from the real "
         f"config, random init, vocabulary cut to {VOCAB}; {res['dtype'].replace('torch.', '')})",
@@ -428,7 +501,11 @@ def markdown(res: Dict) -> str:
             f"{r['rope_s_rome'] * 1e3:.2f} ms | {r['max_rel_diff']:.1e} | "
             f"{r['torch_error_vs_fp32']:.1e} / {r['rome_error_vs_fp32']:.1e} | "
             f"{'yes' if r['patched'] else 'NO'} |")
+    if png_name:
+        lines += ["", f"![time per layer or block without and with RoME]({png_name})"]
     d = res["decode"]
+    if d is None:
+        return "\n".join(lines) + "\n"
     if "error" in d:
         return "\n".join(lines + ["", f"Decode: failed: {d['error']}"]) + "\n"
     lines += [
@@ -440,3 +517,106 @@ def markdown(res: Dict) -> str:
         f"{'yes' if d['same_tokens'] else 'no'}.",
     ]
     return "\n".join(lines) + "\n"
+
+
+CSV_FIELDS = ["key", "title", "seq", "dtype", "threads", "layers", "patched", "torch_ms", "rome_ms",
+              "speedup_pct", "rope_share_torch", "rope_ms_torch", "rope_ms_rome", "max_rel_diff",
+              "torch_error_vs_fp32", "rome_error_vs_fp32", "error"]
+
+
+def write_csv(res: Dict, path: Path) -> None:
+    """One line per model row (times in ms; the decode row has other columns: see the json)."""
+    with open(path, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=CSV_FIELDS, extrasaction="ignore")
+        w.writeheader()
+        for r in res["rows"]:
+            line = dict(r)
+            for name, key in (("torch_ms", "torch_s"), ("rome_ms", "rome_s"),
+                              ("rope_ms_torch", "rope_s_torch"), ("rope_ms_rome", "rope_s_rome")):
+                line[name] = None if r.get(key) is None else r[key] * 1e3
+            if r.get("rope_share_torch") is None:
+                line["rope_ms_torch"] = None  # inline RoPE: the table time alone would mislead
+            w.writerow(line)
+
+
+def write_png(res: Dict, path: Path) -> None:
+    """Horizontal bars: forward time of each layer/block without and with RoME."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in res["rows"] if "error" not in r]
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.75 * max(len(rows), 1)))
+    ys = range(len(rows))
+    # y grows downwards (inverted below): "without" above "with" in each pair.
+    ax.barh([y - 0.2 for y in ys], [r["torch_s"] * 1e3 for r in rows], height=0.4,
+            color="#d62728", label="without RoME")
+    ax.barh([y + 0.2 for y in ys], [r["rome_s"] * 1e3 for r in rows], height=0.4,
+            color="#1f77b4", label="with RoME (speed-up)")
+    for y, r in zip(ys, rows):
+        ax.text(max(r["torch_s"], r["rome_s"]) * 1e3, y, f" {r['speedup_pct']:+.1f}%",
+                va="center", fontsize=8)
+    ax.set_yticks(list(ys))
+    ax.set_yticklabels([r["title"].split(" (")[0] for r in rows], fontsize=8)
+    ax.invert_yaxis()  # the table's order, top to bottom
+    ax.set_xlabel("ms per forward of one layer or block (lower is better)")
+    ax.grid(axis="x", alpha=0.3)
+    ax.set_axisbelow(True)
+    ax.margins(x=0.12)
+    seq = rows[0]["seq"] if rows else "?"
+    threads = rows[0]["threads"] if rows else "?"
+    ax.set_title(f"Real models with and without RoME — {res['isa']}, "
+                 f"{res['dtype'].replace('torch.', '')}, S={seq}, {threads} thread(s)", fontsize=10)
+    ax.legend(fontsize=8, loc="upper right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def save(res: Dict, out_dir: Path) -> Dict[str, Path]:
+    """models.{md,json,csv,png} in out_dir (the chart is skipped if matplotlib is missing)."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = {ext: out_dir / f"models.{ext}" for ext in ("md", "json", "csv", "png")}
+    try:
+        write_png(res, paths["png"])
+    except ImportError as e:
+        paths.pop("png")
+        res.setdefault("warnings", []).append(f"no chart: {e}")
+    write_csv(res, paths["csv"])
+    paths["json"].write_text(json.dumps(res, indent=1))
+    paths["md"].write_text(markdown(res, paths["png"].name if "png" in paths else None))
+    return paths
+
+
+def main(argv=None) -> int:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m rome.bench.models",
+                                description="The real-model table alone: models.{md,json,csv,png}.")
+    p.add_argument("--quick", action="store_true", help="CI size (S=64, first model only)")
+    p.add_argument("--only", default="",
+                   help=f"comma-separated model keys: {', '.join(s[0] for s in MODELS)}")
+    p.add_argument("--no-decode", action="store_true", help="skip the decode row")
+    p.add_argument("--threads", type=int, default=0, help="threads (default: every core)")
+    p.add_argument("--out", default="bench-results", help="output directory")
+    args = p.parse_args(argv)
+    import os
+
+    threads = args.threads or len(os.sched_getaffinity(0))
+    only = [k.strip() for k in args.only.split(",") if k.strip()]
+    unknown = set(only) - {s[0] for s in MODELS}
+    if unknown:
+        p.error(f"unknown models: {', '.join(sorted(unknown))}")
+    res = run(quick=args.quick, threads_list=sorted({1, threads}), only=only,
+              decode=not args.no_decode,
+              progress=lambda what: print(what, file=sys.stderr, flush=True))
+    paths = save(res, Path(args.out))
+    print(markdown(res))
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""The real-model table's newer rows on tiny configurations (the bench builds the real ones, too
+slow for the suite): HunyuanVideo through the rome.diffusers name patch, InternVL's language model
+through rome.hf.patch_model, and the table's csv/png output."""
+
+import csv
+import importlib
+import json
+import sys
+
+import pytest
+import torch
+
+import rome.hf
+from rome.bench import models
+
+
+def _need(module: str):
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a library failing to import here
+        reason = f"{module} cannot be imported: {type(exc).__name__}: {exc}"
+        print(f"SKIP: {reason}", file=sys.stderr)
+        pytest.skip(reason)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_hunyuan_video_patch(dtype):
+    """A tiny HunyuanVideo (3D RoPE 8/8/8 of head dim 24, one double- and one single-stream
+    block): its processor imports apply_rotary_emb at call time, so the bench's patch of
+    diffusers.models.embeddings reaches it; RoME's op runs on q and k of both blocks (the single
+    block's are slices of the joint sequence), the output is diffusers', the name is restored."""
+    diffusers = _need("diffusers")
+    embeddings = _need("diffusers.models.embeddings")
+    original = embeddings.apply_rotary_emb
+    torch.manual_seed(0)
+    model = diffusers.HunyuanVideoTransformer3DModel(
+        in_channels=4, out_channels=4, num_attention_heads=2, attention_head_dim=24, num_layers=1,
+        num_single_layers=1, num_refiner_layers=1, patch_size=2, patch_size_t=1,
+        text_embed_dim=32, pooled_projection_dim=16, rope_axes_dim=(8, 8, 8)).eval().to(dtype)
+    inputs = dict(hidden_states=torch.randn(1, 4, 3, 6, 8).to(dtype),  # 3 x 3 x 4 tokens
+                  timestep=torch.tensor([500]), encoder_hidden_states=torch.randn(1, 5, 32).to(dtype),
+                  encoder_attention_mask=torch.ones(1, 5, dtype=torch.long),
+                  pooled_projections=torch.randn(1, 16).to(dtype),
+                  guidance=torch.tensor([6000.0]).to(dtype), return_dict=False)
+    with torch.no_grad():
+        ref = model(**inputs)[0]
+        with models._patch_hunyuan_video(model) as patched:
+            assert patched and embeddings.apply_rotary_emb is not original
+            with torch.profiler.profile() as prof:
+                got = model(**inputs)[0]
+    assert embeddings.apply_rotary_emb is original
+    assert sum(e.name == "rome::rope" for e in prof.events()) == 4
+    # diffusers' RoPE is fp32 math with one rounding, as RoME's (bf16: an ulp where they differ).
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, ref, rtol=tol, atol=tol)
+
+
+def test_internvl_language_model_patch():
+    """InternVL builds its language model with AutoModel.from_config(text_config) (a qwen2
+    config): patch_model patches it and keeps its output."""
+    transformers = _need("transformers")
+    if not hasattr(transformers, "InternVLConfig"):
+        pytest.skip("this transformers has no InternVL")
+    cfg = transformers.InternVLConfig(text_config={
+        "model_type": "qwen2", "hidden_size": 64, "intermediate_size": 96,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+        "vocab_size": 128, "rope_theta": 1000000.0, "bos_token_id": 0, "eos_token_id": 1})
+    torch.manual_seed(0)
+    model = transformers.AutoModel.from_config(cfg.text_config, attn_implementation="sdpa").eval()
+    ids = torch.randint(0, 128, (1, 11))
+    with torch.no_grad():
+        ref = model(input_ids=ids).last_hidden_state
+        with rome.hf.patch_model(model, warn=False) as handle:
+            assert handle.patched
+            with torch.profiler.profile() as prof:
+                got = model(input_ids=ids).last_hidden_state
+    assert any(e.name.startswith("rome::") for e in prof.events())
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.one_isa
+def test_save_writes_csv_and_png(tmp_path):
+    def row(key, title, inline=False):
+        return {"key": key, "title": title, "seq": 64, "dtype": "bfloat16", "threads": 2,
+                "layers": 1, "patched": True, "torch_s": 0.5, "rome_s": 0.4, "speedup_pct": 25.0,
+                "rope_s_torch": 0.05, "rope_s_rome": 0.01,
+                "rope_share_torch": None if inline else 0.1, "max_rel_diff": 1e-2,
+                "torch_error_vs_fp32": 1e-2, "rome_error_vs_fp32": 1e-2}
+
+    res = {"rows": [row("a", "Model A (x)"), row("w", "Wan (y)", inline=True),
+                    {"key": "b", "title": "Model B", "seq": 64, "threads": 2,
+                     "error": "ValueError: no"}],
+           "decode": None, "isa": "avx2", "dtype": "torch.bfloat16", "wall_s": 1.0}
+    paths = models.save(res, tmp_path)
+    assert sorted(paths) == ["csv", "json", "md", "png"]
+    assert paths["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "](models.png)" in paths["md"].read_text()
+    assert json.loads(paths["json"].read_text())["rows"][0]["key"] == "a"
+    with open(paths["csv"]) as f:
+        lines = list(csv.DictReader(f))
+    assert [r["key"] for r in lines] == ["a", "w", "b"]
+    assert float(lines[0]["torch_ms"]) == 500.0 and float(lines[0]["rome_ms"]) == 400.0
+    assert lines[1]["rope_ms_torch"] == ""  # inline RoPE: not measured
+    assert lines[2]["error"] == "ValueError: no" and lines[2]["torch_ms"] == ""
