@@ -80,6 +80,8 @@ def test_files_written(quick_run, isa):
                for r in models["rows"]), models["rows"]
     assert models["decode"]["same_tokens"] and models["decode"]["rome_tok_s"] > 0
     assert "tokens/s" in (out / "models.md").read_text()
+    assert (out / "models.csv").read_text().count("\n") >= 2  # a header and a row
+    assert (out / "models.png").stat().st_size > 0
 
 
 @pytest.mark.one_isa

@@ -118,7 +118,7 @@ def main(argv=None) -> int:
     if not args.no_models:
         from . import models
 
-        section(models, "models")
+        models.save(section(models, "models"), out_dir)  # adds models.csv and models.png
     if args.quick:
         compile_rows = QUICK_COMPILE_ROWS
     elif args.full:
