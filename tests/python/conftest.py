@@ -12,7 +12,9 @@ two workers of two spinning OpenMP threads each on a 2-core machine made the hea
 (tiny models, the benchmark's subprocess) 3-4x slower. Tests of threading set their own counts.
 """
 
+import importlib
 import os
+import sys
 
 import pytest
 import torch
@@ -176,3 +178,13 @@ def on_meta(a):
         return a
     m = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
     return m.requires_grad_() if a.requires_grad else m
+
+
+def need_module(module: str):
+    """Imports `module` or skips the test with a printed reason."""
+    try:
+        return importlib.import_module(module)
+    except Exception as exc:  # ImportError, or a library failing to import here
+        reason = f"{module} cannot be imported: {type(exc).__name__}: {exc}"
+        print(f"SKIP: {reason}", file=sys.stderr)
+        pytest.skip(reason)

@@ -31,19 +31,12 @@ import rome.diffusers
 import rome.executorch
 import rome.hf
 import rome.vllm
+from conftest import need_module
 
 U32 = 2.0 ** -24
 LOW = (torch.bfloat16, torch.float16)
 
 
-def _need(module: str):
-    """Imports `module` or skips the test with a printed reason."""
-    try:
-        return importlib.import_module(module)
-    except Exception as exc:  # ImportError, or a library failing to import here
-        reason = f"{module} cannot be imported: {type(exc).__name__}: {exc}"
-        print(f"SKIP: {reason}", file=sys.stderr)
-        pytest.skip(reason)
 
 
 def _ulp(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -113,7 +106,7 @@ DTYPE_IDS = ["fp32", "bf16", "fp16"]
 def _llama_tables(batch, seq, head_dim, dtype, offset=0):
     """cos/sin [B, S, D] from transformers' own LlamaRotaryEmbedding (in `dtype`, as the model
     hands them to attention)."""
-    _need("transformers")
+    need_module("transformers")
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
@@ -128,7 +121,7 @@ def _llama_tables(batch, seq, head_dim, dtype, offset=0):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_hf_apply_rotary_pos_emb(dtype, layout):
-    modeling_llama = _need("transformers.models.llama.modeling_llama")
+    modeling_llama = need_module("transformers.models.llama.modeling_llama")
     b, s, hq, hk, d = 2, 9, 4, 2, 64
     cos, sin = _llama_tables(b, s, d, dtype)
     # Projections viewed [B, S, H, D] (then transposed to BHSD, as LlamaAttention does).
@@ -153,7 +146,7 @@ def test_hf_apply_rotary_pos_emb(dtype, layout):
 
 
 def test_hf_positional_and_signature():
-    modeling_llama = _need("transformers.models.llama.modeling_llama")
+    modeling_llama = need_module("transformers.models.llama.modeling_llama")
     params = list(inspect.signature(rome.hf.apply_rotary_pos_emb).parameters)
     assert params == ["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"]
     cos, sin = _llama_tables(1, 5, 32, torch.float32)
@@ -172,7 +165,7 @@ def test_hf_positional_and_signature():
                                                  (torch.float16, torch.bfloat16)])
 def test_hf_promoted_dtype(q_dtype, table_dtype):
     """transformers computes q * cos in the promoted dtype and returns it; so does RoME."""
-    modeling_llama = _need("transformers.models.llama.modeling_llama")
+    modeling_llama = need_module("transformers.models.llama.modeling_llama")
     cos, sin = _llama_tables(2, 6, 64, table_dtype)
     q = torch.randn(2, 4, 6, 64).to(q_dtype)
     k = torch.randn(2, 4, 6, 64).to(q_dtype)
@@ -186,7 +179,7 @@ def test_hf_promoted_dtype(q_dtype, table_dtype):
 
 
 def test_hf_autograd_matches_transformers():
-    modeling_llama = _need("transformers.models.llama.modeling_llama")
+    modeling_llama = need_module("transformers.models.llama.modeling_llama")
     cos, sin = _llama_tables(2, 5, 32, torch.float32)
     q = torch.randn(2, 4, 5, 32, requires_grad=True)
     k = torch.randn(2, 2, 5, 32, requires_grad=True)
@@ -204,7 +197,7 @@ def test_hf_autograd_matches_transformers():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_hf_partial_rotary_gpt_neox(dtype):
     """The partial-rotary form (GPT-NeoX, Phi-3): cos narrower than q."""
-    modeling = _need("transformers.models.gpt_neox.modeling_gpt_neox")
+    modeling = need_module("transformers.models.gpt_neox.modeling_gpt_neox")
     cos, sin = _llama_tables(2, 7, 16, dtype)
     q = torch.randn(2, 3, 7, 64).to(dtype)
     k = torch.randn(2, 3, 7, 64).to(dtype)
@@ -220,7 +213,7 @@ def test_hf_partial_rotary_gpt_neox(dtype):
 def _qwen2vl_inputs(dtype, batch=2, seq=11, head_dim=128):
     """3D MRoPE position ids (text tokens then a 2x3 image grid), and the per-axis cos/sin
     [3, B, S, D] of transformers 4.x (cat(freqs, freqs) per axis)."""
-    _need("transformers")
+    need_module("transformers")
     from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLTextConfig
 
     config = Qwen2VLTextConfig(
@@ -243,7 +236,7 @@ def _qwen2vl_inputs(dtype, batch=2, seq=11, head_dim=128):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("layout", ["bhsd", "bshd"])
 def test_hf_qwen2vl_mrope(dtype, layout):
-    modeling = _need("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    modeling = need_module("transformers.models.qwen2_vl.modeling_qwen2_vl")
     config, pos, cos, sin = _qwen2vl_inputs(dtype)
     b, s, d = 2, pos.shape[-1], 128
     q = torch.randn(b, 4, s, d).to(dtype)
@@ -282,7 +275,7 @@ def test_hf_qwen2vl_mrope(dtype, layout):
 # patch_model on tiny randomly initialised models.
 
 def _tiny_model(arch):
-    transformers = _need("transformers")
+    transformers = need_module("transformers")
     common = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, max_position_embeddings=128)
     if arch == "llama":
@@ -395,7 +388,7 @@ def test_patch_leaves_other_variants_alone(tmp_path, monkeypatch):
 def _flux_tables():
     """cos/sin [S, 128] from diffusers' own FluxPosEmbed (axes 16/56/56): 4 text tokens (ids 0)
     then a 3x5 image grid."""
-    flux = _need("diffusers.models.transformers.transformer_flux")
+    flux = need_module("diffusers.models.transformers.transformer_flux")
     txt = torch.zeros(4, 3)
     hh, ww = torch.meshgrid(torch.arange(3), torch.arange(5), indexing="ij")
     img = torch.stack([torch.zeros(15), hh.flatten().float(), ww.flatten().float()], dim=-1)
@@ -406,7 +399,7 @@ def _flux_tables():
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 @pytest.mark.parametrize("sequence_dim", [1, 2])
 def test_diffusers_flux_interleaved(dtype, sequence_dim):
-    embeddings = _need("diffusers.models.embeddings")
+    embeddings = need_module("diffusers.models.embeddings")
     cos, sin = _flux_tables()
     assert cos.dtype == torch.float32 and cos.shape == (19, 128)
     x = torch.randn(2, 19, 3, 128).to(dtype)
@@ -430,8 +423,8 @@ def test_diffusers_wan_3d(dtype):
     WanRotaryPosEmbed; checked against diffusers' apply_rotary_emb and against the formula of
     Wan's attention processor (diffusers/models/transformers/transformer_wan.py,
     WanAttnProcessor.__call__'s nested apply_rotary_emb, transcribed)."""
-    embeddings = _need("diffusers.models.embeddings")
-    wan = _need("diffusers.models.transformers.transformer_wan")
+    embeddings = need_module("diffusers.models.embeddings")
+    wan = need_module("diffusers.models.transformers.transformer_wan")
     rope = wan.WanRotaryPosEmbed(attention_head_dim=128, patch_size=(1, 2, 2), max_seq_len=1024)
     freqs_cos, freqs_sin = rope(torch.empty(1, 16, 3, 4, 6))  # [1, S, 1, D], S = 3*2*3
     s_len = freqs_cos.shape[1]
@@ -459,7 +452,7 @@ def test_diffusers_wan_3d(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_diffusers_half(dtype):
     """use_real_unbind_dim=-2 (CogView4, Cosmos, Stable Audio), tables concatenated halves."""
-    embeddings = _need("diffusers.models.embeddings")
+    embeddings = need_module("diffusers.models.embeddings")
     cos, sin = embeddings.get_1d_rotary_pos_embed(64, 23, use_real=True,
                                                   repeat_interleave_real=False)
     x = torch.randn(2, 3, 23, 64).to(dtype)
@@ -473,7 +466,7 @@ def test_diffusers_half(dtype):
 @pytest.mark.parametrize("dtype", DTYPES, ids=DTYPE_IDS)
 def test_diffusers_complex(dtype):
     """use_real=False (Lumina): complex freqs_cis [B, S, D/2], x [B, S, H, D]."""
-    embeddings = _need("diffusers.models.embeddings")
+    embeddings = need_module("diffusers.models.embeddings")
     freqs = torch.stack([embeddings.get_1d_rotary_pos_embed(48, torch.arange(10) + 5 * i)
                          for i in range(2)])  # complex64 [2, 10, 24]
     x = torch.randn(2, 10, 3, 48).to(dtype)
@@ -490,7 +483,7 @@ def test_diffusers_complex(dtype):
 def test_diffusers_wan_processor(dtype):
     """A tiny Wan transformer (3D RoPE 8/8/8 of head dim 24) with RoME's processor: diffusers'
     output, RoME's op ran once per self-attention, and undo restores diffusers' processors."""
-    diffusers = _need("diffusers")
+    diffusers = need_module("diffusers")
     torch.manual_seed(0)
     model = diffusers.WanTransformer3DModel(
         patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=24, in_channels=4,
@@ -527,7 +520,7 @@ def test_diffusers_qwen_image(dtype, monkeypatch):
     """rome.diffusers.apply_rotary_emb_qwen against Qwen-Image's own function (complex
     frequencies; correctly rounded against float64), then in place of it in a tiny
     QwenImageTransformer2DModel (RoPE axes 4/6/6)."""
-    qwen = _need("diffusers.models.transformers.transformer_qwenimage")
+    qwen = need_module("diffusers.models.transformers.transformer_qwenimage")
     g = torch.Generator().manual_seed(5)
     x = torch.randn(2, 7, 3, 16, generator=g).to(dtype)
     angle = torch.rand(7, 8, generator=g, dtype=torch.float64) * 40
@@ -567,7 +560,7 @@ def test_diffusers_qwen_image(dtype, monkeypatch):
 
 
 def test_diffusers_signature_errors_and_fallback():
-    embeddings = _need("diffusers.models.embeddings")
+    embeddings = need_module("diffusers.models.embeddings")
     ours = inspect.signature(rome.diffusers.apply_rotary_emb).parameters
     theirs = inspect.signature(embeddings.apply_rotary_emb).parameters
     assert list(ours) == list(theirs)
@@ -818,7 +811,7 @@ def test_executorch_llama_rope(dtype, freqs_rank):
 
 
 def test_executorch_hf_rope_partial():
-    modeling = _need("transformers.models.gpt_neox.modeling_gpt_neox")
+    modeling = need_module("transformers.models.gpt_neox.modeling_gpt_neox")
     cos, sin = _llama_tables(2, 6, 16, torch.float32)
     q, k = torch.randn(2, 4, 6, 32), torch.randn(2, 2, 6, 32)
     q_out, k_out = rome.executorch.hf_apply_rotary_emb(q, k, cos, sin)

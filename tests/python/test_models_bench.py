@@ -3,24 +3,16 @@ slow for the suite): HunyuanVideo through the rome.diffusers name patch, InternV
 through rome.hf.patch_model, and the table's csv/png output."""
 
 import csv
-import importlib
 import json
-import sys
 
 import pytest
 import torch
 
 import rome.hf
 from rome.bench import models
+from conftest import need_module
 
 
-def _need(module: str):
-    try:
-        return importlib.import_module(module)
-    except Exception as exc:  # ImportError, or a library failing to import here
-        reason = f"{module} cannot be imported: {type(exc).__name__}: {exc}"
-        print(f"SKIP: {reason}", file=sys.stderr)
-        pytest.skip(reason)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
@@ -29,8 +21,8 @@ def test_hunyuan_video_patch(dtype):
     block): its processor imports apply_rotary_emb at call time, so the bench's patch of
     diffusers.models.embeddings reaches it; RoME's op runs on q and k of both blocks (the single
     block's are slices of the joint sequence), the output is diffusers', the name is restored."""
-    diffusers = _need("diffusers")
-    embeddings = _need("diffusers.models.embeddings")
+    diffusers = need_module("diffusers")
+    embeddings = need_module("diffusers.models.embeddings")
     original = embeddings.apply_rotary_emb
     torch.manual_seed(0)
     model = diffusers.HunyuanVideoTransformer3DModel(
@@ -58,7 +50,7 @@ def test_hunyuan_video_patch(dtype):
 def test_internvl_language_model_patch():
     """InternVL builds its language model with AutoModel.from_config(text_config) (a qwen2
     config): patch_model patches it and keeps its output."""
-    transformers = _need("transformers")
+    transformers = need_module("transformers")
     if not hasattr(transformers, "InternVLConfig"):
         pytest.skip("this transformers has no InternVL")
     cfg = transformers.InternVLConfig(text_config={
