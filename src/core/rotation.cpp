@@ -193,7 +193,7 @@ PairPanelMatrix pack_pair_panels(const std::vector<float>& m, std::int64_t dim,
     packed.padded_columns = std::max(packed.padded_columns, block.offset + panels * w);
   }
   packed.storage.assign(std::size_t(words) + 16, 0u);
-  auto* data = const_cast<std::uint32_t*>(packed.data());
+  std::uint32_t* data = packed.data();
   for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
     const std::int64_t o = blocks[bi].offset, n = blocks[bi].size, pairs = (n + 1) / 2;
     for (std::int64_t i = 0; i < n; ++i)

@@ -47,6 +47,14 @@ struct PermutePlans {
   VectorPermutePlan a, b;  // x·A, x·B
 };
 
+// The first 64-byte aligned element of v (vectors of packed matrices carry slack for it). Derived
+// on every call, so a copy of the vector stays correct.
+template <class T>
+const T* first_aligned_64(const std::vector<T>& v) {
+  const auto address = reinterpret_cast<std::uintptr_t>(v.data());
+  return v.data() + (64 - address % 64) % 64 / sizeof(T);
+}
+
 // A dense matrix split into bf16 hi + lo parts (m ≈ hi + lo to about 2^-16 relative) and packed
 // as AMX B tiles: per diagonal block, tiles of 32 k-rows × 16 n-columns in VNNI order (row p
 // holds the pairs (m[k0+2p][n], m[k0+2p+1][n]) for 16 n), zero outside the block.
@@ -56,18 +64,11 @@ struct TilePackedMatrix {
   std::vector<std::int64_t> block_first_tile;  // index of each block's first tile
   bool has_lo = false;                         // false when every entry is exact in bf16
 
-  // The first tile, 64-byte aligned (a tile row is one cache line); derived, so a copy stays
-  // correct.
-  const std::uint16_t* hi_tiles() const { return aligned(hi); }
-  const std::uint16_t* lo_tiles() const { return aligned(lo); }
-  std::uint16_t* hi_tiles() { return const_cast<std::uint16_t*>(aligned(hi)); }
-  std::uint16_t* lo_tiles() { return const_cast<std::uint16_t*>(aligned(lo)); }
-
- private:
-  static const std::uint16_t* aligned(const std::vector<std::uint16_t>& v) {
-    const auto address = reinterpret_cast<std::uintptr_t>(v.data());
-    return v.data() + (64 - address % 64) % 64 / sizeof(std::uint16_t);
-  }
+  // The first tile, 64-byte aligned (a tile row is one cache line).
+  const std::uint16_t* hi_tiles() const { return first_aligned_64(hi); }
+  const std::uint16_t* lo_tiles() const { return first_aligned_64(lo); }
+  std::uint16_t* hi_tiles() { return const_cast<std::uint16_t*>(first_aligned_64(hi)); }
+  std::uint16_t* lo_tiles() { return const_cast<std::uint16_t*>(first_aligned_64(lo)); }
 };
 struct TilePacks {
   TilePackedMatrix a, b;  // a empty when A = I
@@ -83,11 +84,7 @@ struct PanelPackedMatrix {
   std::int64_t padded_columns = 0;  // the last panel's end: kernels' scratch rows need this many
   std::vector<float> storage;       // the panels plus 16 floats of slack for the alignment
 
-  // The first 64-byte aligned float of storage (derived, so a copy stays correct).
-  const float* data() const {
-    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
-    return storage.data() + (64 - address % 64) % 64 / sizeof(float);
-  }
+  const float* data() const { return first_aligned_64(storage); }
   float* data() { return const_cast<float*>(std::as_const(*this).data()); }
 };
 struct PanelPacks {
@@ -105,11 +102,8 @@ struct PairPanelMatrix {
   std::int64_t padded_columns = 0;     // the last panel's end: kernels' scratch rows need this many
   std::vector<std::uint32_t> storage;  // the panels plus 16 words of slack for the alignment
 
-  // The first 64-byte aligned word of storage (derived, so a copy stays correct).
-  const std::uint32_t* data() const {
-    const auto address = reinterpret_cast<std::uintptr_t>(storage.data());
-    return storage.data() + (64 - address % 64) % 64 / sizeof(std::uint32_t);
-  }
+  const std::uint32_t* data() const { return first_aligned_64(storage); }
+  std::uint32_t* data() { return const_cast<std::uint32_t*>(std::as_const(*this).data()); }
 };
 struct PairPanelPacks {
   // Every entry of B (and of A when dense) is zero or a normal bf16 value, so its products with

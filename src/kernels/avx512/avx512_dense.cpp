@@ -17,11 +17,10 @@ template <DType D>
 struct CountedLanes {
   using Base = avx512::Lanes<D, NarrowExact>;
   using T = typename Base::T;
-  static ROME_INLINE __mmask16 first(int n) { return __mmask16(_bzhi_u32(0xffff, unsigned(n))); }
   static ROME_INLINE __m512 load(const T* p) { return Base::load(p); }
-  static ROME_INLINE __m512 load(const T* p, int n) { return Base::load(p, first(n)); }
+  static ROME_INLINE __m512 load(const T* p, int n) { return Base::load(p, first_lanes(n)); }
   static ROME_INLINE void store(T* p, __m512 v) { Base::store(p, v); }
-  static ROME_INLINE void store(T* p, __m512 v, int n) { Base::store(p, v, first(n)); }
+  static ROME_INLINE void store(T* p, __m512 v, int n) { Base::store(p, v, first_lanes(n)); }
 };
 
 // 12 rows × 2 vectors: 24 accumulators + 2 panel vectors + 1 broadcast of the 32 zmm registers.
@@ -47,11 +46,7 @@ template <int R>
 void product_rows(std::int64_t k, std::int64_t n, const float* a, std::int64_t lda, const float* b,
                   std::int64_t ldb, float* c, std::int64_t ldc) {
   for (std::int64_t j0 = 0; j0 < n; j0 += 2 * kW) {
-    __mmask16 mask[2];
-    for (int v = 0; v < 2; ++v) {
-      const std::int64_t left = n - (j0 + v * kW);
-      mask[v] = left >= kW ? __mmask16(0xffff) : left <= 0 ? 0 : __mmask16((1u << left) - 1);
-    }
+    const __mmask16 mask[2] = {first_lanes(n - j0), first_lanes(n - j0 - kW)};
     __m512 acc[R][2];
     for (int r = 0; r < R; ++r)
       for (int v = 0; v < 2; ++v)
@@ -168,8 +163,7 @@ void forward_dense_bf16_dot(const RotationData& r, const ForwardTile& tile) {
     for (std::int64_t j = rd; j < out_stride; ++j)
       XB[row * out_stride + j] = XA[row * out_stride + j] = 0.0f;
   const bool pass = tile.copy_passthrough && hd > rd;
-  const std::int64_t row_bytes = rd * std::int64_t(sizeof(std::uint16_t)),
-                     lines_per_row = (row_bytes + 63) / 64;
+  const std::int64_t row_bytes = rd * std::int64_t(sizeof(std::uint16_t));
   const std::int64_t steps = panels * (dense_a ? 2 : 1);
   for (std::int64_t first = 0; first < tile.count; first += R) {
     const int rows = int(std::min<std::int64_t>(R, tile.count - first));
@@ -183,8 +177,7 @@ void forward_dense_bf16_dot(const RotationData& r, const ForwardTile& tile) {
         staged += block.size + block.size % 2;
       }
     }
-    dense_common::RowPrefetch prefetch{tile, first + R, std::min(first + 2 * R, tile.count),
-                                       row_bytes, (R * lines_per_row + steps - 1) / steps};
+    auto prefetch = dense_common::RowPrefetch::next_group(tile, first, R, row_bytes, steps);
     pair_block_products<R>(rows, packs.b, r.dense_blocks, XP, x_stride, XB, out_stride, prefetch);
     if (dense_a)
       pair_block_products<R>(rows, packs.a, r.dense_blocks, XP, x_stride, XA, out_stride, prefetch);

@@ -25,7 +25,6 @@
 // when the core asks (out of place, output larger than the LLC), fenced at the end of the tile.
 //
 // GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
-#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

@@ -17,6 +17,11 @@ namespace rome::kernels::avx512 {
 
 constexpr int kW = 16;  // fp32 lanes per vector
 
+// The first n lanes of a vector (none for n <= 0, all for n >= 16): a row's last, partial vector.
+ROME_INLINE __mmask16 first_lanes(std::int64_t n) {
+  return n >= kW ? __mmask16(0xffff) : n <= 0 ? __mmask16(0) : __mmask16((1u << n) - 1);
+}
+
 // Storage types <-> fp32 vectors of 16 lanes. `N` narrows fp32 to bf16.
 
 // Round to nearest even in integer arithmetic, NaN quietened as (u >> 16) | 0x40, subnormals

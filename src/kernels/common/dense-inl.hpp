@@ -62,6 +62,14 @@ struct RowPrefetch {
   const ForwardTile& tile;
   std::int64_t row, end, row_bytes, per_step, byte = 0;
 
+  // The group of `rows` rows after the one at `first`, `row_bytes` each, over `steps` steps.
+  static RowPrefetch next_group(const ForwardTile& tile, std::int64_t first, int rows,
+                                std::int64_t row_bytes, std::int64_t steps) {
+    const std::int64_t lines = rows * ((row_bytes + 63) / 64);
+    return {tile, first + rows, std::min(first + 2 * rows, tile.count), row_bytes,
+            (lines + steps - 1) / steps};
+  }
+
   void step() {
     const bool in_place = tile.x == tile.y;
     for (std::int64_t n = 0; n < per_step && row < end; ++n) {
@@ -129,8 +137,7 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
   for (int row = 0; row < R; ++row)
     for (std::int64_t j = rd; j < stride; ++j) XB[row * stride + j] = XA[row * stride + j] = 0.0f;
   const bool pass = tile.copy_passthrough && hd > rd;
-  const std::int64_t row_bytes = rd * std::int64_t(sizeof(T)),
-                     lines_per_row = (row_bytes + 63) / 64;
+  const std::int64_t row_bytes = rd * std::int64_t(sizeof(T));
   const std::int64_t steps = panel_count(packs.b, r.dense_blocks) * (dense_a ? 2 : 1);
   for (std::int64_t first = 0; first < tile.count; first += R) {
     const int rows = int(std::min<std::int64_t>(R, tile.count - first));
@@ -143,8 +150,7 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
       }
     }
     // The next group's rows, staged after these products.
-    RowPrefetch prefetch{tile, first + R, std::min(first + 2 * R, tile.count), row_bytes,
-                         (R * lines_per_row + steps - 1) / steps};
+    RowPrefetch prefetch = RowPrefetch::next_group(tile, first, R, row_bytes, steps);
     block_products<V>(rows, packs.b, r.dense_blocks, X, stride, XB, prefetch);
     if (dense_a) block_products<V>(rows, packs.a, r.dense_blocks, X, stride, XA, prefetch);
     const float* xa_rows = dense_a ? XA : X;
