@@ -128,12 +128,16 @@ def _hooks(model: torch.nn.Module) -> List[torch.nn.Module]:
     return found
 
 
+def _runs_rome(hook: torch.nn.Module) -> bool:
+    """kernelize bound RoME's forward to this hook instance."""
+    return getattr(hook.__dict__.get("forward"), "__func__", None) is RotaryPosEmb.forward
+
+
 def kernelized_functions(model: torch.nn.Module) -> List[str]:
     """Modules (by name) whose ``rotary_pos_emb`` hook, attached to `model`, now runs RoME."""
     return [
         getattr(_hooked_function(type(h)), "__module__", None) or type(h).__qualname__
-        for h in _hooks(model)
-        if getattr(h.__dict__.get("forward"), "__func__", None) is RotaryPosEmb.forward
+        for h in _hooks(model) if _runs_rome(h)
     ]
 
 
@@ -186,5 +190,5 @@ def unkernelize(model: torch.nn.Module) -> None:
     """Gives the ``rotary_pos_emb`` hooks attached to `model` their own forward back (for every
     model of those architectures: the hooks are per modeling module)."""
     for hook in _hooks(model):
-        if getattr(hook.__dict__.get("forward"), "__func__", None) is RotaryPosEmb.forward:
+        if _runs_rome(hook):
             del hook.__dict__["forward"]

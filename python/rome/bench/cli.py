@@ -79,13 +79,17 @@ def main(argv=None) -> int:
     threads_list = sorted({1, threads})
 
     def section(module, name: str, **kw) -> dict:
-        """Runs one study, prints its table and writes <name>.md / <name>.json."""
+        """Runs one study, prints its table and writes <name>.md / <name>.json (a study with its
+        own save() writes its files, e.g. the models' csv and chart)."""
         res = module.run(quick=args.quick, threads_list=threads_list,
                          progress=lambda what: print(what, file=sys.stderr, flush=True), **kw)
         out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
-        text = module.markdown(res)
-        (out_dir / f"{name}.md").write_text(text)
+        if hasattr(module, "save"):
+            text = module.save(res, out_dir)["md"].read_text()
+        else:
+            (out_dir / f"{name}.json").write_text(json.dumps(res, indent=1))
+            text = module.markdown(res)
+            (out_dir / f"{name}.md").write_text(text)
         print(text)
         wall = f" ({res['wall_s']:.0f} s)" if "wall_s" in res else ""
         print(f"wrote {out_dir / (name + '.md')}, {out_dir / (name + '.json')}{wall}")
@@ -118,7 +122,7 @@ def main(argv=None) -> int:
     if not args.no_models:
         from . import models
 
-        models.save(section(models, "models"), out_dir)  # adds models.csv and models.png
+        section(models, "models")
     if args.quick:
         compile_rows = QUICK_COMPILE_ROWS
     elif args.full:
