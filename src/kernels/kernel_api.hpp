@@ -133,10 +133,13 @@ void avx2_cos_sin(std::int64_t n, const double* position, const double* frequenc
 void avx512_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);
 
-// The AVX2 NormForwardFn and its table layout, also used by the AVX-512 and AMX tables (they have
-// no own yet).
 void avx2_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,
                                const NormParams& norm);
 TableLayout avx2_norm_table_layout(const detail::RotationData& rotation, DType dtype);
+// Natural table rows. The second narrows bf16 rows with AVX512-BF16's vcvtneps2bf16.
+void avx512_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,
+                                 const NormParams& norm);
+void avx512_bf16_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,
+                                      const NormParams& norm);
 
 }  // namespace rome::kernels

@@ -29,27 +29,6 @@ namespace {
 using detail::RotationData;
 using namespace avx2;
 
-enum class NormKind { half, interleave, other };
-
-// Classified once per rotation per thread (kernels keep no other state).
-NormKind classify(const RotationData& r) {
-  thread_local const RotationData* last = nullptr;
-  thread_local std::uint64_t last_uid = 0;
-  thread_local NormKind kind = NormKind::other;
-  if (last == &r && last_uid == r.uid) return kind;
-  const std::int64_t rd = r.rotary_dim, h = rd / 2;
-  bool half = r.a_identity && rd % 2 == 0, pairs = r.a_identity && rd % 2 == 0;
-  for (std::int64_t j = 0; j < rd && (half || pairs); ++j) {
-    const bool has = r.b.sign[j] != 0;
-    half = half && has && r.b.src[j] == (j < h ? j + h : j - h);
-    pairs = pairs && has && r.b.src[j] == (j ^ 1);
-  }
-  kind = half ? NormKind::half : pairs ? NormKind::interleave : NormKind::other;
-  last = &r;
-  last_uid = r.uid;
-  return kind;
-}
-
 // ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7)) of the 8 partial sums.
 ROME_INLINE float reduce(__m256 acc) {
   const __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
@@ -233,6 +212,12 @@ void widen_rows(const ForwardTile& tile, std::int64_t n, int count, std::int64_t
   using T = typename Lanes<D>::T;
   const T* x[kRowGroup];
   for (int i = 0; i < count; ++i) x[i] = static_cast<const T*>(tile.x_row(n + i));
+  const std::int64_t bytes = hd * std::int64_t(sizeof(T));
+  if (bytes <= 1024)
+    for (int i = 0; i < count; ++i) {
+      const char* next = reinterpret_cast<const char*>(x[i]) + (tile.x_step < 0 ? -4096 : 4096);
+      for (std::int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+    }
   if (count == kRowGroup)
     widen_and_scale<D, kRowGroup, kCopy>(x, hd, eps, N, row_floats, scale, sum_squares);
   else
@@ -482,7 +467,7 @@ void norm_rows(const RotationData& r, const ForwardTile& tile, const NormParams&
   const std::size_t need = std::size_t(kRowGroup * row_floats + hd + 2 * rd);
   if (buffer.size() < need) buffer.assign(need, 0.0f);
   float* w_eo = buffer.data() + kRowGroup * row_floats;
-  const NormKind kind = classify(r);
+  const NormKind kind = classify_norm(r);
   const bool even_odd = bf16_even_odd(r, kind, D);
   if (even_odd) to_even_odd(norm.weight, hd, w_eo);
   FoldedRow folded(w_eo + hd, even_odd ? w_eo : norm.weight, r, kind, even_odd);
@@ -516,7 +501,8 @@ void norm_rows(const RotationData& r, const ForwardTile& tile, const NormParams&
 }  // namespace
 
 TableLayout avx2_norm_table_layout(const RotationData& r, DType dtype) {
-  return bf16_even_odd(r, classify(r), dtype) ? TableLayout::even_odd_16 : TableLayout::natural;
+  return bf16_even_odd(r, classify_norm(r), dtype) ? TableLayout::even_odd_16
+                                                   : TableLayout::natural;
 }
 
 void avx2_forward_norm_permute(const RotationData& r, const ForwardTile& tile,

@@ -593,15 +593,30 @@ void forward_permute_any(const RotationData& r, const ForwardTile& b) {
 }  // namespace
 
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
-  static const KernelTable table{
-      "avx512", forward_permute_any<false>, avx512_forward_dense,   avx512_accumulate_product,
-      nullptr,  avx2_forward_norm_permute,  avx2_norm_table_layout, avx512_cos_sin};
-  static const KernelTable table_bf16{
-      "avx512", forward_permute_any<true>, avx512_forward_dense,   avx512_accumulate_product,
-      nullptr,  avx2_forward_norm_permute, avx2_norm_table_layout, avx512_cos_sin};
-  static const KernelTable table_bf16_dot{
-      "avx512", forward_permute_any<true>, avx512_bf16_forward_dense, avx512_accumulate_product,
-      nullptr,  avx2_forward_norm_permute, avx2_norm_table_layout,    avx512_cos_sin};
+  static const KernelTable table{"avx512",
+                                 forward_permute_any<false>,
+                                 avx512_forward_dense,
+                                 avx512_accumulate_product,
+                                 nullptr,
+                                 avx512_forward_norm_permute,
+                                 nullptr,
+                                 avx512_cos_sin};
+  static const KernelTable table_bf16{"avx512",
+                                      forward_permute_any<true>,
+                                      avx512_forward_dense,
+                                      avx512_accumulate_product,
+                                      nullptr,
+                                      avx512_bf16_forward_norm_permute,
+                                      nullptr,
+                                      avx512_cos_sin};
+  static const KernelTable table_bf16_dot{"avx512",
+                                          forward_permute_any<true>,
+                                          avx512_bf16_forward_dense,
+                                          avx512_accumulate_product,
+                                          nullptr,
+                                          avx512_bf16_forward_norm_permute,
+                                          nullptr,
+                                          avx512_cos_sin};
   if (!avx512_bf16) return table;
   return bf16_dot ? table_bf16_dot : table_bf16;
 }

@@ -14,6 +14,29 @@
 namespace rome::kernels {
 namespace {
 
+// The rotations the SIMD norm kernels have vector loops for: half (lane j reads j ± rd/2) and
+// interleave (j reads j ^ 1), A = I; everything else takes the lane loop.
+enum class NormKind { half, interleave, other };
+
+// Classified once per rotation per thread (kernels keep no other state).
+inline NormKind classify_norm(const detail::RotationData& r) {
+  thread_local const detail::RotationData* last = nullptr;
+  thread_local std::uint64_t last_uid = 0;
+  thread_local NormKind kind = NormKind::other;
+  if (last == &r && last_uid == r.uid) return kind;
+  const std::int64_t rd = r.rotary_dim, h = rd / 2;
+  bool half = r.a_identity && rd % 2 == 0, pairs = r.a_identity && rd % 2 == 0;
+  for (std::int64_t j = 0; j < rd && (half || pairs); ++j) {
+    const bool has = r.b.sign[j] != 0;
+    half = half && has && r.b.src[j] == (j < h ? j + h : j - h);
+    pairs = pairs && has && r.b.src[j] == (j ^ 1);
+  }
+  kind = half ? NormKind::half : pairs ? NormKind::interleave : NormKind::other;
+  last = &r;
+  last_uid = r.uid;
+  return kind;
+}
+
 // cw[j] = cos[j]·w[a(j)] and sw[j] = sin[j]·w[b(j)] for j < rotary_dim, where a(j) and b(j) are
 // the lanes A and B read for lane j (a(j) = j when A = I). A lane reading nothing keeps the plain
 // table value: its source is 0 and must stay 0, whatever the weight (a NaN weight times the 0 of
