@@ -170,9 +170,28 @@ void check_environment() {
          std::string("'") + std::getenv("ROME_MAX_ISA") + "'");
 }
 
+// Logical processors sharing the last-level cache: EAX[25:14] + 1 of the deterministic cache
+// parameters (leaf 4 on Intel, 0x8000001D on AMD) for the level-3 entry; 1 where unknown.
+int l3_sharing_threads() noexcept {
+#ifdef ROME_X86
+  unsigned max_leaf = 0, vendor[3] = {};
+  __cpuid(0, max_leaf, vendor[0], vendor[2], vendor[1]);
+  const bool amd = std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+  const unsigned leaf = amd ? 0x8000001Du : 4u;
+  if (__get_cpuid_max(leaf & 0x80000000u, nullptr) < leaf) return 1;
+  for (unsigned sub = 0; sub < 8; ++sub) {
+    unsigned a, b, c, d;
+    __cpuid_count(leaf, sub, a, b, c, d);
+    if ((a & 31) == 0) break;  // no more caches
+    if (((a >> 5) & 7) == 3) return int((a >> 14) & 0xfff) + 1;
+  }
+#endif
+  return 1;
+}
+
 const CacheSizes& cache_sizes() noexcept {
   static const CacheSizes sizes = [] {
-    CacheSizes s{32 << 10, 1 << 20, 8 << 20};
+    CacheSizes s{32 << 10, 1 << 20, 8 << 20, 0};
 #if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE) && \
     defined(_SC_LEVEL3_CACHE_SIZE)
     auto read = [](int name, std::int64_t& out) {
@@ -183,6 +202,7 @@ const CacheSizes& cache_sizes() noexcept {
     read(_SC_LEVEL2_CACHE_SIZE, s.l2);
     read(_SC_LEVEL3_CACHE_SIZE, s.l3);
 #endif
+    s.l3_per_thread = s.l3 / l3_sharing_threads();
     return s;
   }();
   return sizes;

@@ -28,8 +28,9 @@ struct ForwardKernel {
 ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept;
 
 // Data cache sizes in bytes (sysconf, which reads CPUID; typical values where it reports none).
+// l3_per_thread: l3 over the logical processors CPUID says share it (l3 where it says nothing).
 struct CacheSizes {
-  std::int64_t l1d, l2, l3;
+  std::int64_t l1d, l2, l3, l3_per_thread;
 };
 const CacheSizes& cache_sizes() noexcept;
 int resolve_threads(int requested) noexcept;
