@@ -4,12 +4,15 @@
 // (1 + w), padding slots; bad input writes nothing.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <random>
 #include <vector>
 
+#include "core/dispatch.hpp"
 #include "isa_testing.hpp"
+#include "kernels/kernel_api.hpp"
 #include "reference.hpp"
 #include "rome/rome.hpp"
 
@@ -121,6 +124,29 @@ void expect_close(DType dtype, double got, double want, double magnitude, const 
   }
 }
 
+// The AVX-512 table the core installs on a CPU without AVX512-BF16 (bf16 narrowed in integer
+// arithmetic), run on CPUs that have the instructions (the core would pick the other table there).
+std::vector<const kernels::KernelTable*> tables_not_picked_here() {
+  std::vector<const kernels::KernelTable*> out;
+#ifdef ROME_TEST_HAVE_AVX512
+  const std::vector<Isa> isas = isas_under_test();
+  if (std::find(isas.begin(), isas.end(), Isa::avx512) != isas.end() &&
+      detail::cpu_features().avx512_bf16)
+    out.push_back(&kernels::avx512_kernels(false));
+#endif
+  return out;
+}
+
+class ScopedKernels {
+ public:
+  explicit ScopedKernels(const kernels::KernelTable* table) {
+    detail::override_kernels_for_testing(table);
+  }
+  ~ScopedKernels() { detail::override_kernels_for_testing(nullptr); }
+  ScopedKernels(const ScopedKernels&) = delete;
+  ScopedKernels& operator=(const ScopedKernels&) = delete;
+};
+
 struct FusedCase {
   std::int64_t d, rd, hq, hk;
   bool neox;
@@ -189,6 +215,13 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
                   << isa_name(isa) << " " << dtype_name(dtype) << " tables "
                   << dtype_name(table_dtype) << " d " << fc.d;
             }
+          for (const kernels::KernelTable* table : tables_not_picked_here()) {
+            ScopedKernels scoped(table);
+            Packed got = original;
+            qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k());
+            EXPECT_EQ(got.buffer.storage, expected.buffer.storage)
+                << table->name << " (no bf16 instructions) " << dtype_name(dtype) << " d " << fc.d;
+          }
         }
 }
 
@@ -250,8 +283,14 @@ TEST(QkNormRope, SpecialValuesMatchScalarOnEveryIsa) {
               ScopedIsa scoped(Isa::scalar);
               qk_norm_rope(rotation, cache.view(fc.neox), norm, expected.q(), expected.k());
             }
-            for (Isa isa : isas_under_test()) {
+            // Every ISA, then (nullptr isa) each table the core does not pick on this CPU.
+            std::vector<std::pair<Isa, const kernels::KernelTable*>> runs;
+            for (Isa isa : isas_under_test()) runs.push_back({isa, nullptr});
+            for (const kernels::KernelTable* table : tables_not_picked_here())
+              runs.push_back({Isa::scalar, table});
+            for (const auto& [isa, table] : runs) {
               ScopedIsa scoped(isa);
+              ScopedKernels kernels(table);
               Packed got = original;
               qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k());
               // Bit for bit, but where both are NaN: which of two NaN operands' payloads an
@@ -263,9 +302,9 @@ TEST(QkNormRope, SpecialValuesMatchScalarOnEveryIsa) {
                 const double a = g.get(idx), b = e.get(idx);
                 if (std::isnan(a) && std::isnan(b)) continue;
                 ASSERT_EQ(std::memcmp(&a, &b, sizeof a), 0)
-                    << isa_name(isa) << " " << dtype_name(dtype) << " tables "
-                    << dtype_name(table_dtype) << " d " << fc.d << " rd " << fc.rd << " element "
-                    << i << ": " << a << " vs " << b;
+                    << (table ? table->name : isa_name(isa)) << (table ? " (override)" : "") << " "
+                    << dtype_name(dtype) << " tables " << dtype_name(table_dtype) << " d " << fc.d
+                    << " rd " << fc.rd << " element " << i << ": " << a << " vs " << b;
               }
             }
           }
