@@ -27,8 +27,17 @@ void exact_cos_sin_rows(std::span<const std::int64_t> positions,
   constexpr std::int64_t kMaxRows = 32;
   const std::int64_t rows = std::int64_t(positions.size());
   const std::int64_t block_rows = std::min(kMaxRows, rows);
-  std::vector<double> p(std::size_t(block_rows * n)), f(std::size_t(block_rows * n));
-  std::vector<float> c(std::size_t(block_rows * n)), s(std::size_t(block_rows * n));
+  // Per thread, reused: callers pass a few rows at a time, and four fresh buffers a call cost
+  // about as much as the rows' cos/sin.
+  thread_local std::vector<double> p, f;
+  thread_local std::vector<float> c, s;
+  const std::size_t size = std::size_t(block_rows * n);
+  if (p.size() < size) {
+    p.resize(size);
+    f.resize(size);
+    c.resize(size);
+    s.resize(size);
+  }
   for (std::int64_t r = 0; r < block_rows; ++r)
     std::copy(frequencies.begin(), frequencies.end(), f.begin() + r * n);
   for (std::int64_t r0 = 0; r0 < rows; r0 += block_rows) {
