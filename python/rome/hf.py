@@ -17,8 +17,8 @@
   rotary embedding modules (``inv_freq`` + ``attention_scaling``: rope types default, linear,
   dynamic, yarn, longrope, llama3 and every other type whose module computes ``cos/sin(position ×
   inv_freq) · attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
-  the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin exact
-  to fp32 at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
+  the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin within
+  2 fp32 ulp at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
   rotary modules (Qwen2-VL and Qwen2.5-VL sections, Qwen3-VL's interleave) get the same builder on
   their three position axes, each column taken from the axis the module's own
   ``recomposition_frequencies`` selects for it; other rotary modules are listed in ``skipped``.
@@ -682,7 +682,7 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
     process until undone. Patches nest (a module is restored when its last patch is undone).
 
     With ``rotary=True`` the model's own Llama-style and MRoPE rotary embedding modules (this
-    model only) compute cos/sin with :func:`rome.tables.cos_sin` (exact to fp32 at any position;
+    model only) compute cos/sin with :func:`rome.tables.cos_sin` (within 2 fp32 ulp at any position;
     see the module docstring); ``handle.rotary_patched`` names them.
 
     Returns:
