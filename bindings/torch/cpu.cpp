@@ -1,4 +1,7 @@
 // CPU kernels of the rome:: operators: thin calls into the core.
+#include <algorithm>
+#include <cstring>
+
 #include "calls.hpp"
 #include "dispatch.hpp"
 
@@ -181,30 +184,45 @@ std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& in
     // Validate everything once on this thread, then fill the rows in parallel.
     rome::exact_cos_sin_rows({p, size_t(rows)}, f, amplitude, layout == "pairs", nullptr, nullptr);
     const bool pairs = layout == "pairs";
-    at::parallel_for(0, rows, 256, [&](int64_t begin, int64_t end) {
-      const std::size_t count = std::size_t((end - begin) * 2 * n);
+    const int64_t width = 2 * n;
+    at::parallel_for(0, rows, 64, [&](int64_t begin, int64_t end) {
       if (!narrow) {
         rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs,
-                                 cos.data_ptr<float>() + begin * 2 * n,
-                                 sin.data_ptr<float>() + begin * 2 * n);
+                                 cos.data_ptr<float>() + begin * width,
+                                 sin.data_ptr<float>() + begin * width);
         return;
       }
-      // Reused per thread: two fresh 128 KiB vectors per chunk were fresh pages each time (page
-      // faults took more than the cos/sin at S = 4096).
-      thread_local std::vector<float> rows_buffer;
-      if (rows_buffer.size() < 2 * count) rows_buffer.resize(2 * count);
-      const std::span<float> c(rows_buffer.data(), count), s(rows_buffer.data() + count, count);
-      rome::exact_cos_sin_rows({p + begin, size_t(end - begin)}, f, amplitude, pairs, c.data(),
-                               s.data());
-      auto* co = static_cast<uint16_t*>(cos.data_ptr()) + begin * 2 * n;
-      auto* so = static_cast<uint16_t*>(sin.data_ptr()) + begin * 2 * n;
-      // A chunk of rows per call: a library call per element cost more than the cos/sin.
-      if (out_dtype == at::kBFloat16) {
-        rome::tables::to_bf16_bits(c, co);
-        rome::tables::to_bf16_bits(s, so);
-      } else {
-        rome::tables::to_fp16_bits(c, co);
-        rome::tables::to_fp16_bits(s, so);
+      // fp32 rows a block at a time, narrowed while still in cache (a whole chunk of rows went
+      // out to memory and back, at S = 32768 most of the time). Per thread, reused.
+      constexpr int64_t kBlock = 64;
+      thread_local std::vector<float> buffer;
+      if (buffer.size() < std::size_t(2 * kBlock * width)) buffer.resize(2 * kBlock * width);
+      float* const c = buffer.data();
+      float* const s = c + kBlock * width;
+      auto* const cos16 = static_cast<uint16_t*>(cos.data_ptr());
+      auto* const sin16 = static_cast<uint16_t*>(sin.data_ptr());
+      const auto to16 =
+          out_dtype == at::kBFloat16
+              ? static_cast<void (*)(std::span<const float>, uint16_t*)>(rome::tables::to_bf16_bits)
+              : static_cast<void (*)(std::span<const float>, uint16_t*)>(
+                    rome::tables::to_fp16_bits);
+      for (int64_t r0 = begin; r0 < end; r0 += kBlock) {
+        const int64_t m = std::min(kBlock, end - r0);
+        rome::exact_cos_sin_rows({p + r0, size_t(m)}, f, amplitude, pairs, c, s);
+        uint16_t* const co = cos16 + r0 * width;
+        uint16_t* const so = sin16 + r0 * width;
+        if (pairs) {
+          to16({c, size_t(m * width)}, co);
+          to16({s, size_t(m * width)}, so);
+          continue;
+        }
+        // Half layout: each row's halves are equal, so narrow the first and copy it.
+        for (int64_t r = 0; r < m; ++r) {
+          to16({c + r * width, size_t(n)}, co + r * width);
+          to16({s + r * width, size_t(n)}, so + r * width);
+          std::memcpy(co + r * width + n, co + r * width, n * sizeof(uint16_t));
+          std::memcpy(so + r * width + n, so + r * width, n * sizeof(uint16_t));
+        }
       }
     });
     if (fill_dtype != out_dtype) return std::make_tuple(cos.to(out_dtype), sin.to(out_dtype));

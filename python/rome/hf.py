@@ -17,8 +17,8 @@
   rotary embedding modules (``inv_freq`` + ``attention_scaling``: rope types default, linear,
   dynamic, yarn, longrope, llama3 and every other type whose module computes ``cos/sin(position ×
   inv_freq) · attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
-  the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin exact
-  to fp32 at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
+  the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin within
+  2 fp32 ulp at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
   rotary modules (Qwen2-VL and Qwen2.5-VL sections, Qwen3-VL's interleave) get the same builder on
   their three position axes, each column taken from the axis the module's own
   ``recomposition_frequencies`` selects for it; other rotary modules are listed in ``skipped``.
@@ -460,6 +460,7 @@ _PATCHED_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
 _REPLACEMENTS = (_apply_rotary_pos_emb_v5, apply_rotary_pos_emb, _apply_partial_rotary_pos_emb,
                  _apply_partial_rotary_pos_emb_v4)
 _LOCK = threading.Lock()
+_COS_SIN = torch.ops.rome.cos_sin.default
 # module name -> [{function name: (original, replacement)}, reference count]
 _ACTIVE: Dict[str, list] = {}
 
@@ -468,14 +469,21 @@ def _is_current(module: ModuleType, swaps: dict) -> bool:
     return all(module.__dict__.get(fn) is new for fn, (_, new) in swaps.items())
 
 
-@torch.no_grad()
 def _exact_rotary_forward(self, x, position_ids):
     """A Llama-style rotary module's forward on RoME's exact table builder."""
-    if x.device.type != "cpu" or position_ids.device.type != "cpu":
+    if not (x.is_cpu and position_ids.is_cpu):
         return self._rome_original_forward(x, position_ids)
+    # rome.tables.cos_sin's op called directly (it checks its arguments itself), the buffer read
+    # without Module.__getattr__, no_grad entered only when grad is on: at one decode position
+    # this Python took as long as the op.
+    inv_freq = self._buffers.get("inv_freq")
+    if inv_freq is None:
+        inv_freq = self.inv_freq
     scaling = float(getattr(self, "attention_scaling", 1.0))
-    return rome_tables.cos_sin(position_ids, self.inv_freq, "half", amplitude=scaling,
-                               dtype=x.dtype)
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return _COS_SIN(position_ids, inv_freq, "half", scaling, x.dtype)
+    return _COS_SIN(position_ids, inv_freq, "half", scaling, x.dtype)
 
 
 def _mrope_axes(module: torch.nn.Module) -> torch.Tensor:
@@ -537,7 +545,11 @@ def _patch_rotary(model: torch.nn.Module):
             skipped[type(sub).__module__ + "." + type(sub).__name__] = reason
             continue
         original = sub.forward
-        updates = hasattr(type(sub).forward, "__wrapped__") and dynamic_rope_update is not None
+        # A static rope type skips the update wrapper (it would only test rope_type every call).
+        rope_type = getattr(sub, "rope_type", None)
+        static = isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
+        updates = (hasattr(type(sub).forward, "__wrapped__") and dynamic_rope_update is not None
+                   and not static)
         exact = _exact_mrope_forward if kind == "mrope" else _exact_rotary_forward
         forward = dynamic_rope_update(exact) if updates else exact
         if kind == "mrope":
@@ -670,7 +682,7 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
     process until undone. Patches nest (a module is restored when its last patch is undone).
 
     With ``rotary=True`` the model's own Llama-style and MRoPE rotary embedding modules (this
-    model only) compute cos/sin with :func:`rome.tables.cos_sin` (exact to fp32 at any position;
+    model only) compute cos/sin with :func:`rome.tables.cos_sin` (within 2 fp32 ulp at any position;
     see the module docstring); ``handle.rotary_patched`` names them.
 
     Returns:

@@ -224,9 +224,10 @@ def cos_sin(
 ) -> Table:
     """The exact table builder of table-free RoPE, for callers that must hand tables on:
     ``amplitude·cos/sin(positions × inv_freq)`` of shape ``positions.shape + [2·len(inv_freq)]``
-    laid out by ``layout`` ('half' or 'pairs'), each value the fp32 rounding of the true one
-    (the same kernel and bits as :func:`rome.ops.rope_from_positions`). ``positions`` is
-    int32/int64 of any shape; ``inv_freq`` 1-D float (values taken exactly)."""
+    laid out by ``layout`` ('half' or 'pairs'), each value within 2 fp32 ulp of the true one
+    (< 1e-7; amplitude one more fp32 rounding) at any position (the same kernel and bits as
+    :func:`rome.ops.rope_from_positions`). ``positions`` is int32/int64 of any shape;
+    ``inv_freq`` 1-D float (values taken exactly)."""
     if layout == "interleave":
         layout = "pairs"
     if layout not in ("half", "pairs"):

@@ -22,13 +22,38 @@ void exact_cos_sin_rows(std::span<const std::int64_t> positions,
       detail::fail_angle(positions[r], largest, "index " + std::to_string(r));
   if (positions.empty() || !cos || !sin) return;  // null outputs: validation only
   const kernels::CosSinFn kernel = detail::active_kernels().cos_sin;
+  if (!pairs_layout && n % 8 == 0) {
+    // Half layout in whole vectors (8 divides n: a multiple of every ISA's lanes): the kernel
+    // writes each row's first half in place and one copy makes the second, instead of staging
+    // rows and copying both halves (the copies cost a third of the kernel's time).
+    thread_local std::vector<double> row_position;
+    if (row_position.size() < std::size_t(n)) row_position.resize(std::size_t(n));
+    for (std::size_t r = 0; r < positions.size(); ++r) {
+      std::fill(row_position.begin(), row_position.begin() + n, double(positions[r]));
+      float* co = cos + std::int64_t(r) * 2 * n;
+      float* so = sin + std::int64_t(r) * 2 * n;
+      kernel(n, row_position.data(), frequencies.data(), amplitude, co, so);
+      std::copy(co, co + n, co + n);
+      std::copy(so, so + n, so + n);
+    }
+    return;
+  }
   // A few rows per kernel call: positions repeated per frequency, frequencies per row. Buffers
   // for no more rows than there are (one decode position: n of each, not 32·n).
   constexpr std::int64_t kMaxRows = 32;
   const std::int64_t rows = std::int64_t(positions.size());
   const std::int64_t block_rows = std::min(kMaxRows, rows);
-  std::vector<double> p(std::size_t(block_rows * n)), f(std::size_t(block_rows * n));
-  std::vector<float> c(std::size_t(block_rows * n)), s(std::size_t(block_rows * n));
+  // Per thread, reused: callers pass a few rows at a time, and four fresh buffers a call cost
+  // about as much as the rows' cos/sin.
+  thread_local std::vector<double> p, f;
+  thread_local std::vector<float> c, s;
+  const std::size_t size = std::size_t(block_rows * n);
+  if (p.size() < size) {
+    p.resize(size);
+    f.resize(size);
+    c.resize(size);
+    s.resize(size);
+  }
   for (std::int64_t r = 0; r < block_rows; ++r)
     std::copy(frequencies.begin(), frequencies.end(), f.begin() + r * n);
   for (std::int64_t r0 = 0; r0 < rows; r0 += block_rows) {

@@ -99,8 +99,9 @@ using NormForwardFn = void (*)(const detail::RotationData& rotation, const Forwa
                                const NormParams& norm);
 
 // cos[i] = fp32(amplitude·cos(position[i]·frequency[i])) and sin likewise, for i < n: the
-// angle formed without rounding error, reduced by π/2 in double, cos/sin in double, one
-// rounding to fp32 (cos_sin-inl.hpp). Requires |position[i]·frequency[i]| < 2^51 (the core
+// angle formed without rounding error and reduced by π/2 in double, cos/sin evaluated in fp32 on
+// the reduced argument: within 2 fp32 ulp of the true value (|error| < 1e-7), amplitude one more
+// fp32 rounding (cos_sin-inl.hpp). Requires |position[i]·frequency[i]| < 2^51 (the core
 // checks). Every ISA gives the same bits.
 using CosSinFn = void (*)(std::int64_t n, const double* position, const double* frequency,
                           double amplitude, float* cos, float* sin);

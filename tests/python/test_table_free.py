@@ -182,6 +182,26 @@ def test_cos_sin_builder_is_exact_where_fp32_tables_are_not(isa, layout):
     assert c2.shape == (2, 3, 128) and c2.dtype == torch.bfloat16
 
 
+@pytest.mark.parametrize("rd", [8, 24, 72, 128])
+def test_cos_sin_builder_every_width_and_layout(isa, rd):
+    """Half rows with a multiple of 8 frequencies are written in place, others (and pairs)
+    through staging rows: both within 3e-7 of fp64 at positions up to 10^7, each layout the
+    other's columns, at θ = 500000 and 10000, amplitudes 1 and 1.3."""
+    pos = torch.tensor(BIG + [-7777777, 9999999])
+    for theta in (500000.0, 10000.0):
+        inv = llama_inv_freq(rd, theta)
+        n = rd // 2
+        angle = pos.double()[:, None] * inv[None]
+        for amplitude in (1.0, 1.3):
+            ch, sh = rome.tables.cos_sin(pos, inv, "half", amplitude)
+            cp, sp = rome.tables.cos_sin(pos, inv, "pairs", amplitude)
+            for got, ref in ((ch, torch.cos(angle)), (sh, torch.sin(angle))):
+                assert (got[:, :n].double() - amplitude * ref).abs().max() <= 3e-7 * amplitude
+                assert torch.equal(got[:, :n], got[:, n:])
+            assert torch.equal(cp[:, 0::2], ch[:, :n]) and torch.equal(cp[:, 1::2], ch[:, :n])
+            assert torch.equal(sp[:, 0::2], sh[:, :n]) and torch.equal(sp[:, 1::2], sh[:, :n])
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_cos_sin_in_other_dtypes_is_the_fp32_result_rounded(isa, dtype):
     """16-bit tables are written directly (not through fp32 tensors): the same bits as

@@ -12,12 +12,14 @@ place, with a precomputed fp32 table [S, 128] (``rope_``) and table-free (``rope
 with positions ``arange(S)``), against a copy of x; and one Llama-3.1-8B decode step (q [1, 32,
 1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways; and a transformers Llama rotary
 module (head_dim 128, θ = 500000) at S = 1, 4096, 32768, unpatched and with ``rome.hf.patch_model``
-(``rome.tables.cos_sin``; its fp32 outputs are allocated on every call, as the module's are).
+(``rome.tables.cos_sin``; its outputs are allocated on every call, as the module's are), the
+two alternately, one sample each per round.
 Left out: building the table
 (transformers rebuilds it every forward, vLLM once at start-up), allocation (in place), thread
 start-up (pools warm).
 """
 
+import statistics
 from typing import Callable, Dict
 
 import torch
@@ -119,10 +121,14 @@ def _rotary_module_times(quick: bool, samples: int) -> Dict:
     for S in ([1, 4096] if quick else [1, 4096, 32768]):
         pid = torch.arange(S)[None]
         inner = 200 if S == 1 else 1
-        before = _median_ms(lambda: rotary(x, pid), samples, inner)
-        with rome.hf.patch_model(rotary, warn=False):  # the rotary module alone
-            after = _median_ms(lambda: rotary(x, pid), samples, inner)
-        out[str(S)] = [before, after]
+        # Unpatched and patched alternately, one sample each per round: on a shared machine a
+        # burst of other work then hits both, not one side's whole series.
+        before, after = [], []
+        for _ in range(samples):
+            before.append(_median_ms(lambda: rotary(x, pid), 1, inner))
+            with rome.hf.patch_model(rotary, warn=False):  # the rotary module alone
+                after.append(_median_ms(lambda: rotary(x, pid), 1, inner))
+        out[str(S)] = [statistics.median(before), statistics.median(after)]
     return out
 
 

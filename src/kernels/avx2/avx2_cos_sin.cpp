@@ -1,4 +1,5 @@
-// cos/sin of position × frequency, 4 doubles at a time (cos_sin-inl.hpp over AVX2 traits).
+// cos/sin of position × frequency, 8 at a time (two vectors of 4 doubles reduced, one of 8
+// floats evaluated; cos_sin-inl.hpp over AVX2 traits).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -12,6 +13,7 @@ namespace {
 struct Avx2Traits {
   static constexpr int kLanes = 4;
   using D = __m256d;
+  using F = __m256;
   static D load(const double* p) { return _mm256_loadu_pd(p); }
   static D set(double v) { return _mm256_set1_pd(v); }
   static D add(D a, D b) { return _mm256_add_pd(a, b); }
@@ -20,14 +22,24 @@ struct Avx2Traits {
   static D fma(D a, D b, D c) { return _mm256_fmadd_pd(a, b, c); }
   static D fms(D a, D b, D c) { return _mm256_fmsub_pd(a, b, c); }
   static D fnma(D a, D b, D c) { return _mm256_fnmadd_pd(a, b, c); }
-  static D bit_xor(D a, D b) { return _mm256_xor_pd(a, b); }
-  template <int B>
-  static D sign_of_bit(D t) {
-    return _mm256_castsi256_pd(_mm256_slli_epi64(_mm256_castpd_si256(t), 63 - B));
+  static F to_float(D a, D b) { return _mm256_set_m128(_mm256_cvtpd_ps(b), _mm256_cvtpd_ps(a)); }
+  static F low_words(D a, D b) {
+    // Even words of each 128-bit half: (a0 a1 b0 b1 | a2 a3 b2 b3), then the 64-bit pairs in order.
+    const __m256 even =
+        _mm256_shuffle_ps(_mm256_castpd_ps(a), _mm256_castpd_ps(b), _MM_SHUFFLE(2, 0, 2, 0));
+    return _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(even), _MM_SHUFFLE(3, 1, 2, 0)));
   }
-  static D select_by_sign(D m, D a, D b) { return _mm256_blendv_pd(a, b, m); }
-  static D flip_sign(D x, D m) { return _mm256_xor_pd(x, _mm256_and_pd(m, _mm256_set1_pd(-0.0))); }
-  static void store_float(float* p, D v) { _mm_storeu_ps(p, _mm256_cvtpd_ps(v)); }
+  static F fset(float v) { return _mm256_set1_ps(v); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F bit_xor(F a, F b) { return _mm256_xor_ps(a, b); }
+  template <int B>
+  static F sign_of_bit(F x) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_castps_si256(x), 31 - B));
+  }
+  static F select_by_sign(F m, F a, F b) { return _mm256_blendv_ps(a, b, m); }
+  static F flip_sign(F x, F m) { return _mm256_xor_ps(x, _mm256_and_ps(m, _mm256_set1_ps(-0.0f))); }
+  static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
 }  // namespace

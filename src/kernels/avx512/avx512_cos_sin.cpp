@@ -1,4 +1,5 @@
-// cos/sin of position × frequency, 8 doubles at a time (cos_sin-inl.hpp over AVX-512 traits).
+// cos/sin of position × frequency, 16 at a time (two vectors of 8 doubles reduced, one of 16
+// floats evaluated; cos_sin-inl.hpp over AVX-512 traits).
 // GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #include <immintrin.h>
@@ -14,6 +15,7 @@ namespace {
 struct Avx512Traits {
   static constexpr int kLanes = 8;
   using D = __m512d;
+  using F = __m512;
   static D load(const double* p) { return _mm512_loadu_pd(p); }
   static D set(double v) { return _mm512_set1_pd(v); }
   static D add(D a, D b) { return _mm512_add_pd(a, b); }
@@ -22,16 +24,28 @@ struct Avx512Traits {
   static D fma(D a, D b, D c) { return _mm512_fmadd_pd(a, b, c); }
   static D fms(D a, D b, D c) { return _mm512_fmsub_pd(a, b, c); }
   static D fnma(D a, D b, D c) { return _mm512_fnmadd_pd(a, b, c); }
-  static D bit_xor(D a, D b) { return _mm512_xor_pd(a, b); }
+  static F to_float(D a, D b) {
+    return _mm512_insertf32x8(_mm512_castps256_ps512(_mm512_cvtpd_ps(a)), _mm512_cvtpd_ps(b), 1);
+  }
+  static F low_words(D a, D b) {  // the even 32-bit words of a, then of b: one permute
+    const __m512i even =
+        _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    return _mm512_castsi512_ps(
+        _mm512_permutex2var_epi32(_mm512_castpd_si512(a), even, _mm512_castpd_si512(b)));
+  }
+  static F fset(float v) { return _mm512_set1_ps(v); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F bit_xor(F a, F b) { return _mm512_xor_ps(a, b); }
   template <int B>
-  static D sign_of_bit(D t) {
-    return _mm512_castsi512_pd(_mm512_slli_epi64(_mm512_castpd_si512(t), 63 - B));
+  static F sign_of_bit(F x) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_castps_si512(x), 31 - B));
   }
-  static D select_by_sign(D m, D a, D b) {
-    return _mm512_mask_blend_pd(_mm512_movepi64_mask(_mm512_castpd_si512(m)), a, b);
+  static F select_by_sign(F m, F a, F b) {
+    return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(m)), a, b);
   }
-  static D flip_sign(D x, D m) { return _mm512_xor_pd(x, _mm512_and_pd(m, _mm512_set1_pd(-0.0))); }
-  static void store_float(float* p, D v) { _mm256_storeu_ps(p, _mm512_cvtpd_ps(v)); }
+  static F flip_sign(F x, F m) { return _mm512_xor_ps(x, _mm512_and_ps(m, _mm512_set1_ps(-0.0f))); }
+  static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 
 }  // namespace

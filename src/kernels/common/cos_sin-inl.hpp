@@ -1,20 +1,24 @@
 // cos/sin of position × frequency, written once over a vector-traits type and compiled per ISA
 // (scalar: one double per "vector"; AVX2: 4; AVX-512: 8). Every ISA performs the same IEEE
-// double operations in the same order (explicit fma, no contraction: the kernel libraries build
-// with -ffp-contract=off), so the results agree bit for bit across ISAs.
+// operations in the same order (explicit fma, no contraction: the kernel libraries build with
+// -ffp-contract=off), so the results agree bit for bit across ISAs.
 //
-// Why not libm or fp32: the angle of a token at position 10^6 is ~10^6 rad; formed in fp32 it
-// is off by ~0.03 rad before any cos is taken. Here the product is error-free (a double product
-// plus its fma residual), the reduction by π/2 uses a two-part π/2 (good to 2^-107), and the
-// polynomials run in double on |r| ≤ π/4, so each result is within ~1e-11 of the true value
-// before its one rounding to fp32 (amplitude applied in double first).
+// Why not libm or fp32 throughout: the angle of a token at position 10^6 is ~10^6 rad; formed in
+// fp32 it is off by ~0.03 rad before any cos is taken. Here the product is error-free (a double
+// product plus its fma residual) and the reduction by π/2 uses a two-part π/2 (good to 2^-107),
+// so the reduced argument r (|r| ≤ π/4) is exact to double precision at any position. Only then
+// is r rounded to fp32 and sin/cos evaluated in fp32, on twice the lanes of a double vector
+// (16% off the bf16 rotary module at S = 4096 against double polynomials). Rounding r and the
+// fp32 polynomial cost < 2 ulp (1.55 ulp, 9.2e-8, over 10^6 random angles up to 10^7 rad); the
+// amplitude, when not 1, one more fp32 rounding. The contract is 3e-7.
 //
-// The traits type V provides: kLanes; D (a vector of doubles); load(const double*), set(double),
-// add, sub, mul, fma(a, b, c) = a·b + c, fms(a, b, c) = a·b − c and fnma(a, b, c) = c − a·b, each
-// rounded once; sign_of_bit<B>(t): a vector whose sign bit
-// is bit B of t's bits (other bits arbitrary); select_by_sign(m, a, b): b where m's sign bit is
-// set, else a; flip_sign(x, m): x with its sign flipped where m's sign bit is set; bit_xor(a, b);
-// store_float(float*, D): kLanes floats, each rounded to nearest even.
+// The traits type V provides: kLanes; D (kLanes doubles); load(const double*), set(double),
+// add, sub, mul, fma(a, b, c) = a·b + c, fms(a, b, c) = a·b − c and fnma(a, b, c) = c − a·b on D,
+// each rounded once; F (2·kLanes floats) with to_float(a, b): a's lanes then b's, each rounded to
+// nearest even; low_words(a, b): the low 32 bits of a's then b's lanes, as F; fset(float), mul
+// and fma on F; sign_of_bit<B>(x): an F whose sign bits are bit B of x's lanes (other bits
+// arbitrary); select_by_sign(m, a, b): b where m's sign bit is set, else a; flip_sign(x, m): x
+// with its sign flipped where m's sign bit is set; bit_xor(a, b); store(float*, F).
 #pragma once
 
 #include <cstdint>
@@ -26,67 +30,73 @@ constexpr double kHalfPi1 = 0x1.921fb54442d18p+0;
 constexpr double kHalfPi2 = 0x1.1a62633145c07p-54;
 constexpr double kTwoOverPi = 0x1.45f306dc9c883p-1;
 // Adding then subtracting 1.5·2^52 rounds |y| < 2^51 to the nearest integer (ties to even);
-// the sum's low mantissa bits hold that integer modulo 4.
+// the sum's low mantissa bits hold that integer modulo 2^32 (so its low two bits, the quadrant).
 constexpr double kRoundMagic = 0x1.8p+52;
 
-// Taylor polynomials on |r| ≤ π/4, truncated where their error (< 1e-11) is far below half an
-// fp32 ulp (≥ 3e-8 near 1): the result is only ever rounded to fp32. Coefficients 1/n! are
-// correctly rounded (n! is exact in double).
+// θ = p·f exactly as theta + theta_lo, then r = θ − k·π/2 with k the nearest integer (carried in
+// t's low bits).
 template <class V>
-inline void sin_cos_reduced(const typename V::D& r, typename V::D& s, typename V::D& c) {
-  using D = typename V::D;
-  const D z = V::mul(r, r);
-  // sin r = r − r·z·(1/3! − z/5! + z²/7! − z³/9! + z⁴/11!)   (error < (π/4)^13/13! ≈ 7e-12)
-  D ps = V::set(1.0 / 39916800.0);
-  ps = V::fma(ps, z, V::set(-1.0 / 362880.0));
-  ps = V::fma(ps, z, V::set(1.0 / 5040.0));
-  ps = V::fma(ps, z, V::set(-1.0 / 120.0));
-  ps = V::fma(ps, z, V::set(1.0 / 6.0));
-  s = V::sub(r, V::mul(V::mul(r, z), ps));
-  // cos r = 1 − z/2 + z²·(1/4! − z/6! + z²/8! − z³/10! + z⁴/12!)   (error < (π/4)^14/14! ≈ 4e-13)
-  D pc = V::set(1.0 / 479001600.0);
-  pc = V::fma(pc, z, V::set(-1.0 / 3628800.0));
-  pc = V::fma(pc, z, V::set(1.0 / 40320.0));
-  pc = V::fma(pc, z, V::set(-1.0 / 720.0));
-  pc = V::fma(pc, z, V::set(1.0 / 24.0));
-  c = V::fma(V::mul(z, z), pc, V::fma(z, V::set(-0.5), V::set(1.0)));
-}
-
-// One vector: angles position·frequency, exact product, reduced by π/2.
-template <class V, bool kScaled>
-inline void cos_sin_vector(const typename V::D& p, const typename V::D& f,
-                           const typename V::D& amplitude, float* cos_out, float* sin_out) {
+inline void reduce(const typename V::D& p, const typename V::D& f, typename V::D& r,
+                   typename V::D& t) {
   using D = typename V::D;
   const D theta = V::mul(p, f);
   const D theta_lo = V::fms(p, f, theta);  // p·f − theta, exactly
-  const D t = V::fma(theta, V::set(kTwoOverPi), V::set(kRoundMagic));
+  t = V::fma(theta, V::set(kTwoOverPi), V::set(kRoundMagic));
   const D k = V::sub(t, V::set(kRoundMagic));
-  D r = V::fnma(k, V::set(kHalfPi1), theta);
+  r = V::fnma(k, V::set(kHalfPi1), theta);
   r = V::fnma(k, V::set(kHalfPi2), r);
   r = V::add(r, theta_lo);
-  D s, c;
-  sin_cos_reduced<V>(r, s, c);
+}
+
+// Minimax polynomials on |r| ≤ π/4 (Remez, relative error as weight; relative error 3.8e-9 for
+// sin, 1.2e-10 for cos in exact arithmetic, the coefficients rounded to fp32), in fp32.
+template <class V>
+inline void sin_cos_reduced(const typename V::F& r, typename V::F& s, typename V::F& c) {
+  using F = typename V::F;
+  const F z = V::mul(r, r);
+  // sin r = r + r·z·(s3 + s5·z + s7·z²)
+  F ps = V::fma(V::fset(-0x1.9943e0f9cced6p-13f), z, V::fset(0x1.11073afd0b73ap-7f));
+  ps = V::fma(ps, z, V::fset(-0x1.5555452689e42p-3f));
+  s = V::fma(V::mul(r, z), ps, r);
+  // cos r = 1 − z/2 + z²·(c4 + c6·z + c8·z²)
+  F pc = V::fma(V::fset(0x1.99eb9c952b7e9p-16f), z, V::fset(-0x1.6c0c33a94613ep-10f));
+  pc = V::fma(pc, z, V::fset(0x1.55554a115d752p-5f));
+  c = V::fma(V::mul(z, z), pc, V::fma(z, V::fset(-0.5f), V::fset(1.0f)));
+}
+
+// 2·kLanes angles: two double vectors reduced, their r rounded into one fp32 vector.
+template <class V, bool kScaled>
+inline void cos_sin_step(const double* position, const double* frequency,
+                         const typename V::F& amplitude, float* cos_out, float* sin_out) {
+  using D = typename V::D;
+  using F = typename V::F;
+  constexpr int W = V::kLanes;
+  D r0, t0, r1, t1;
+  reduce<V>(V::load(position), V::load(frequency), r0, t0);
+  reduce<V>(V::load(position + W), V::load(frequency + W), r1, t1);
+  F s, c;
+  sin_cos_reduced<V>(V::to_float(r0, r1), s, c);
   // Quadrant q = k mod 4: sin θ = (s, c, −s, −c)[q], cos θ = (c, −s, −c, s)[q].
-  const D odd = V::template sign_of_bit<0>(t), second = V::template sign_of_bit<1>(t);
-  D sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
-  D cos_q = V::flip_sign(V::select_by_sign(odd, c, s), V::bit_xor(odd, second));
+  const F q = V::low_words(t0, t1);
+  const F odd = V::template sign_of_bit<0>(q), second = V::template sign_of_bit<1>(q);
+  F sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
+  F cos_q = V::flip_sign(V::select_by_sign(odd, c, s), V::bit_xor(odd, second));
   if constexpr (kScaled) {
     sin_q = V::mul(sin_q, amplitude);
     cos_q = V::mul(cos_q, amplitude);
   }
-  V::store_float(cos_out, cos_q);
-  V::store_float(sin_out, sin_q);
+  V::store(cos_out, cos_q);
+  V::store(sin_out, sin_q);
 }
 
 template <class V, bool kScaled>
 void cos_sin_loop(std::int64_t n, const double* position, const double* frequency, double amplitude,
                   float* cos_out, float* sin_out) {
-  constexpr int W = V::kLanes;
-  const typename V::D amp = V::set(amplitude);
+  constexpr int W = 2 * V::kLanes;
+  const typename V::F amp = V::fset(float(amplitude));
   std::int64_t i = 0;
   for (; i + W <= n; i += W)
-    cos_sin_vector<V, kScaled>(V::load(position + i), V::load(frequency + i), amp, cos_out + i,
-                               sin_out + i);
+    cos_sin_step<V, kScaled>(position + i, frequency + i, amp, cos_out + i, sin_out + i);
   if (i == n) return;
   // The tail through padded buffers: the same operations on every lane.
   double p[W] = {}, f[W] = {};
@@ -95,14 +105,14 @@ void cos_sin_loop(std::int64_t n, const double* position, const double* frequenc
     p[j - i] = position[j];
     f[j - i] = frequency[j];
   }
-  cos_sin_vector<V, kScaled>(V::load(p), V::load(f), amp, c, s);
+  cos_sin_step<V, kScaled>(p, f, amp, c, s);
   for (std::int64_t j = i; j < n; ++j) {
     cos_out[j] = c[j - i];
     sin_out[j] = s[j - i];
   }
 }
 
-// cos_out[i] = fp32(amplitude·cos(position[i]·frequency[i])), sin_out likewise, i < n.
+// cos_out[i] = amplitude·cos(position[i]·frequency[i]) in fp32, sin_out likewise, i < n.
 // |position[i]·frequency[i]| must be below 2^51·π/2 (the reduction's integer range).
 template <class V>
 void cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,
