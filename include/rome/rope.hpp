@@ -28,8 +28,8 @@ enum class TableWidth : std::uint8_t {
 //    per lane pair of the rotation, pairs numbered by their lower lane: j and j + rot/2 for
 //    half, 2i and 2i + 1 for interleave, block by block for block diagonals). C and S of lane j
 //    in pair i are amplitude·cos/sin(position × frequencies[i]), computed per token as the rows
-//    are needed: the angle without rounding error, reduced by π/2 in double, cos/sin in double,
-//    one rounding to fp32 — exact to fp32 at any position (|position × frequency| < 2^50).
+//    are needed: the angle without rounding error, reduced by π/2 in double, cos/sin in fp32 on
+//    the reduced argument — within 2 fp32 ulp at any position (|position × frequency| < 2^50).
 //    `column_axis` then has one entry per frequency. Needs a rotation that turns lane pairs
 //    (every signed-permutation RoPE; not a dense one). Nothing of size max_position is built.
 // Tables may be any floating dtype, independent of x, and any stride (including the last axis).

@@ -266,8 +266,8 @@ def rope_from_positions(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Table-free RoPE: no cos/sin table anywhere. Each token's cos/sin are computed inside the
     kernel from ``positions × inv_freq`` (the angle without rounding error, reduced by π/2 in
-    double, cos/sin in double, one rounding to fp32) and applied to every head of q and k.
-    Exact to fp32 at any position below 2^50 / max(inv_freq); fp32 tables built the usual way
+    double, cos/sin in fp32 on the reduced argument) and applied to every head of q and k.
+    Within 2 fp32 ulp at any position below 2^50 / max(inv_freq); fp32 tables built the usual way
     are off by ~4e-2 at position 10^6.
 
     Args:

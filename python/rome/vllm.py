@@ -60,7 +60,7 @@ class RotaryEmbedding(torch.nn.Module):
         dtype: dtype of the cache (vLLM: the model's dtype).
         table_free: keep no cache: each call computes its tokens' cos/sin from
             ``positions × inv_freq`` inside the kernel (:func:`rome.ops.rope_from_positions`),
-            exact to fp32 at any position (vLLM's fp32 cache is off by ~3e-2 at 10^6). The
+            within 2 fp32 ulp at any position (vLLM's fp32 cache is off by ~3e-2 at 10^6). The
             frequencies are vLLM's own (``inv_freq``, fp32 values taken exactly); positions are
             not limited by ``max_position_embeddings``.
 

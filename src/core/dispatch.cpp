@@ -170,15 +170,17 @@ void check_environment() {
          std::string("'") + std::getenv("ROME_MAX_ISA") + "'");
 }
 
-// Logical processors sharing the last-level cache: EAX[25:14] + 1 of the deterministic cache
-// parameters (leaf 4 on Intel, 0x8000001D on AMD) for the level-3 entry; 1 where unknown.
+// Logical-processor IDs sharing the last-level cache: EAX[25:14] + 1 of the deterministic
+// cache parameters (leaf 4 on Intel, 0x8000001D on AMD and Hygon) for the level-3 entry; 1
+// where unknown.
 int l3_sharing_threads() noexcept {
 #ifdef ROME_X86
   unsigned max_leaf = 0, vendor[3] = {};
   __cpuid(0, max_leaf, vendor[0], vendor[2], vendor[1]);
-  const bool amd = std::memcmp(vendor, "AuthenticAMD", 12) == 0;
+  const bool amd =
+      std::memcmp(vendor, "AuthenticAMD", 12) == 0 || std::memcmp(vendor, "HygonGenuine", 12) == 0;
   const unsigned leaf = amd ? 0x8000001Du : 4u;
-  if (__get_cpuid_max(leaf & 0x80000000u, nullptr) < leaf) return 1;
+  if ((amd ? __get_cpuid_max(0x80000000u, nullptr) : max_leaf) < leaf) return 1;
   for (unsigned sub = 0; sub < 8; ++sub) {
     unsigned a, b, c, d;
     __cpuid_count(leaf, sub, a, b, c, d);

@@ -28,7 +28,8 @@ struct ForwardKernel {
 ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept;
 
 // Data cache sizes in bytes (sysconf, which reads CPUID; typical values where it reports none).
-// l3_per_thread: l3 over the logical processors CPUID says share it (l3 where it says nothing).
+// l3_per_thread: l3 over the logical-processor IDs CPUID says share it (l3 where it says
+// nothing; on bare metal a power of two at least the thread count).
 struct CacheSizes {
   std::int64_t l1d, l2, l3, l3_per_thread;
 };

@@ -77,7 +77,7 @@ struct Executor {
   std::int64_t parts;         // ranges each tile's rows are cut into (few tokens, many threads)
   std::int64_t table_stride;  // floats per prepared table row
   kernels::TableLayout layout;
-  bool large_output;  // larger than the last-level cache
+  bool large_output;  // larger than 3/4 of one thread's share of the L3: stream it
   kernels::TableValues table_values;
 
   std::int64_t items() const { return plan->outer_total / line_length * tiles_per_line * parts; }
@@ -270,10 +270,9 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   ex.parts = tiles < wanted ? std::min(rows, (wanted + tiles - 1) / tiles) : 1;
   // Non-temporal stores pay only when the output cannot stay in the last-level cache, and never
   // in place: there they would evict the lines just read (on some CPUs serialising every line).
-  // "Cannot stay" is glibc's rule for memmove (3/4 of one thread's share of the L3), so RoME
-  // streams exactly where the copy floor does: with the whole L3 (300 MiB on the 2-vCPU AMX VM),
-  // a 177 MB output took the read-for-ownership of every line and ran at 1.8-2.0x the copy
-  // instead of 1.55x.
+  // "Cannot stay" is about glibc 2.26-2.37's rule for memmove (3/4 of one thread's share of the
+  // L3), so RoME streams about where the copy floor does: a VM reports its host's whole L3, and
+  // outputs below that paid the read-for-ownership of every line (BENCHMARKS.md).
   ex.large_output = plan.bytes_moved / 2 > detail::cache_sizes().l3_per_thread * 3 / 4;
   ex.table_values = detail::table_values(plan);
 

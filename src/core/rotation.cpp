@@ -280,6 +280,10 @@ void finish_permutation(RotationData& d) {
   d.sin_sign_bits = sign_bits(d.b);
   d.lane_frequency = lane_frequencies(d);
   d.frequency_count = std::int64_t(d.lane_frequency.size()) / 2;
+  d.lane_frequency_halves = d.frequency_count > 0;
+  for (std::size_t j = 0; j < d.lane_frequency.size(); ++j)
+    d.lane_frequency_halves =
+        d.lane_frequency_halves && d.lane_frequency[j] == std::int64_t(j) % d.frequency_count;
 }
 
 std::shared_ptr<RotationData> permutation_rotation(std::int64_t dim, SignedPermutation a,

@@ -139,6 +139,8 @@ struct RotationData {
   // the rotation does not pair lanes that way.
   std::vector<std::int32_t> lane_frequency;
   std::int64_t frequency_count = 0;
+  // lane_frequency[j] == j % frequency_count (half): a row is its frequencies' values twice.
+  bool lane_frequency_halves = false;
   PermutePlans avx2;    // 8 lanes, one source per step
   PermutePlans avx512;  // 16 lanes, two sources per step
 

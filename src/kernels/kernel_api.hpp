@@ -89,7 +89,7 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 // compiler's operand order). In place (y == x) or out of place.
 struct NormParams {
   const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
-  float eps;
+  float eps;  // finite and >= 0 (the core checks): the SIMD kernels' overflow bounds need it
   // x·C' is exact in fp32 (barring underflow): bf16 x (8 significant bits) and C' = C·w with
   // bf16 tables and bf16-exact weights (8 + 8 bits), 24 bits in all. Read for bf16 tiles only:
   // every kernel ignores it for other dtypes.

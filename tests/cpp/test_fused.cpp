@@ -152,9 +152,18 @@ struct FusedCase {
   bool neox;
 };
 
-const FusedCase kCases[] = {{64, 64, 4, 2, true},  {80, 80, 3, 1, true},    {96, 96, 2, 2, false},
-                            {128, 64, 4, 1, true}, {128, 128, 8, 2, false}, {256, 256, 2, 1, true},
-                            {40, 20, 2, 2, true},  {128, 64, 4, 1, false}};
+const FusedCase kCases[] = {{64, 64, 4, 2, true},
+                            {80, 80, 3, 1, true},
+                            {96, 96, 2, 2, false},
+                            {128, 64, 4, 1, true},
+                            {128, 128, 8, 2, false},
+                            {256, 256, 2, 1, true},
+                            {40, 20, 2, 2, true},
+                            {128, 64, 4, 1, false},
+                            // head_dim not a multiple of 8 or 16 past a whole-vector rotation
+                            // (masked tails), more than 8 heads (several row groups per tile)
+                            {100, 64, 9, 3, true},
+                            {72, 64, 16, 8, false}};
 
 // bf16 tables with q's bf16 weight (not Gemma's 1 + w) take the exact-product epilogue for q.
 TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {

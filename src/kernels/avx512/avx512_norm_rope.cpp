@@ -6,7 +6,7 @@
 // 8-15 the other's), four pairs at a time so their fma chains overlap: a 16-lane accumulator of
 // one row would sum in another order. bf16 splits each 16-lane chunk into its even lanes (shift)
 // and odd lanes (mask), the contract's order, without a shuffle. It also asks for the rows 4 KiB
-// ahead: the AVX2 kernel, without that, took 2x the copy on one core of the AMX Xeon.
+// ahead: one core waits on memory with the hardware prefetchers alone (BENCHMARKS.md).
 // Pass 2 widens each row again from L1 in natural lane order (the table rows stay natural: no
 // even/odd layout) and forms r·(x_a·C' + x_b·S') with the weight folded into the table row, once
 // per table row. Rows that could produce inf or NaN (FoldedRow::finite_sum_squares_max) and
@@ -99,18 +99,11 @@ struct FoldedRow {
           fold(j, wa, _mm512_permute_ps(wa, 0xb1));
         }
       }
-      // max_ps drops NaNs: they make m infinite.
+      // The unordered mask catches NaNs (max_ps may drop them): they make m infinite.
       m = nan ? INFINITY : double(horizontal_max(most_c)) + double(horizontal_max(most_s));
-    } else {
+    } else {  // the lane loop's rotations: every row takes it, no bound needed
       fold_norm_weight(r, c, s, w, cw, sw);
-      m = 0;
-      double mc = 0, ms = 0;
-      for (std::int64_t j = 0; j < rd && m == 0; ++j) {
-        if (std::isnan(cw[j]) || std::isnan(sw[j])) m = INFINITY;
-        mc = std::max(mc, double(std::fabs(cw[j])));
-        ms = std::max(ms, double(std::fabs(sw[j])));
-      }
-      if (m == 0) m = mc + ms;
+      m = INFINITY;
     }
     finite_sum_squares_max =
         m * std::sqrt(double(head_dim)) <= 1e37
@@ -293,10 +286,11 @@ void norm_rows(const RotationData& r, const ForwardTile& tile, const NormParams&
 template <DType D, typename N>
 void norm_rows_any(const RotationData& r, const ForwardTile& tile, const NormParams& norm) {
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
-  // The widened row of the lane loop, then the folded table row (cw, sw; 64-byte aligned).
+  // The widened row of the lane loop, then the folded table row (cw, sw: 64-byte aligned where
+  // the vector loop reads them, rotary_dim being a multiple of 16 there), plus alignment slack.
   thread_local std::vector<float> buffer;
   const std::int64_t row_floats = (hd + kW - 1) / kW * kW;
-  const std::size_t need = std::size_t(row_floats + 2 * rd + 2 * kW + kW);
+  const std::size_t need = std::size_t(row_floats + 2 * rd + kW);
   if (buffer.size() < need) buffer.assign(need, 0.0f);
   float* row = reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(buffer.data()) + 63) &
                                         ~std::uintptr_t(63));

@@ -18,7 +18,7 @@ namespace {
 // interleave (j reads j ^ 1), A = I; everything else takes the lane loop.
 enum class NormKind { half, interleave, other };
 
-// Classified once per rotation per thread (kernels keep no other state).
+// Classified once per rotation per thread in each kernel library (kernels keep no other state).
 inline NormKind classify_norm(const detail::RotationData& r) {
   thread_local const detail::RotationData* last = nullptr;
   thread_local std::uint64_t last_uid = 0;
