@@ -25,7 +25,7 @@
 // so every bit matches the scalar kernel. Rows whose rotary_dim is not a multiple of 8 end with
 // masked loads/stores (fp32) or a staging buffer (16-bit types). bf16 is narrowed by integer
 // round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact). Non-temporal stores
-// only when the core asks (out of place, output larger than the LLC).
+// only when the core asks (out of place, large outputs: rope_forward.cpp).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -108,8 +108,16 @@ struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
 template <typename L>
 using Row = TileRow<typename L::T>;
 
+// Also asks for the x bytes 4 KiB further along the stream, as the AVX-512 kernel does (one
+// core stalls on x's loads with the hardware prefetchers alone; BENCHMARKS.md). Prefetches never
+// fault, so the address may lie past the tensor; rows over 1 KiB are runs the prefetchers follow.
 template <typename L>
-ROME_INLINE Row<L> row_of(const ForwardTile& tile, std::int64_t n) {
+ROME_INLINE Row<L> row_of(const Work& w, const ForwardTile& tile, std::int64_t n) {
+  const std::int64_t bytes = w.hd * std::int64_t(sizeof(typename L::T));
+  if (bytes <= 1024) {
+    const char* next = static_cast<const char*>(tile.x_row(n)) + (tile.x_step < 0 ? -4096 : 4096);
+    for (std::int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+  }
   return tile_row<typename L::T>(tile, n);
 }
 
@@ -170,7 +178,7 @@ ROME_INLINE void put(const Work& w, bool stream, typename L::T* y, std::int64_t 
 template <typename L, bool kPairs>
 ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t v = 0; v < w.V; ++v) {
       const __m256 xv = L::load(row.x + kW * v, lanes_of(w, v));
@@ -187,7 +195,7 @@ template <typename L>
 ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
   const std::int64_t K = w.xor_k;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t v0 = 0; v0 < w.V; v0 += 2 * K) {
       for (std::int64_t v = v0; v < v0 + K; ++v) {
@@ -256,7 +264,7 @@ template <typename L>
 ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
   float* X = w.X + kW;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     for (std::int64_t v = 0; v < w.V; ++v)
       _mm256_store_ps(X + kW * v, L::load(row.x + kW * v, lanes_of(w, v)));
     const bool stream = streaming_row<L>(w, row.y);
@@ -287,7 +295,7 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
                             w.shift_mask[kMaxShifts * v + 1]);
   };
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     for (std::int64_t j = 0; j < kW * w.V; j += 2 * kW) {  // two vectors per step (V is even)
       _mm256_store_ps(X + j, L::load(row.x + j));
       _mm256_store_ps(X + j + kW, L::load(row.x + j + kW));
@@ -336,7 +344,7 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
 template <typename L>
 ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     row_general<L>(w, row);
     pass_through<L>(w, row.x, row.y);
   }
@@ -345,7 +353,7 @@ ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
 template <typename L, bool kMove>
 ROME_INLINE void rows_single(const Work& w, const ForwardTile& tile) {
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     if (static_cast<const void*>(row.x) == static_cast<const void*>(row.y))
       row_general<L>(w, row);
     else
@@ -411,7 +419,7 @@ template <typename L>
 ROME_INLINE void rows_bf16_pairs(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     if (streaming_row<L>(w, row.y))
       row_bf16_pairs<L, true>(chunks, row);
     else
@@ -440,7 +448,7 @@ template <typename L>
 ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     if (streaming_row<L>(w, row.y))
       row_bf16_xor<L, true>(chunks, K, row);
     else
@@ -456,7 +464,7 @@ template <typename L>
 ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
   const std::int64_t H = w.V / 2;
   for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(tile, n);
+    const Row<L> row = row_of<L>(w, tile, n);
     const bool in_place = static_cast<const void*>(row.x) == static_cast<const void*>(row.y);
     if (in_place)
       for (std::int64_t v = 0; v < w.V; ++v) _mm256_store_ps(w.X + kW * v, L::load(row.x + kW * v));

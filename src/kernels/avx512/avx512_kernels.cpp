@@ -22,7 +22,8 @@
 // bf16 is narrowed with vcvtne2ps2bf16 / vcvtneps2bf16 when the CPU has AVX512-BF16 (they flush
 // subnormals, so a row holding one takes the integer round-to-nearest-even path), else with
 // integer arithmetic; fp16 uses vcvtps2ph / vcvtph2ps, exact both ways. Non-temporal stores only
-// when the core asks (out of place, output larger than the LLC), fenced at the end of the tile.
+// when the core asks (out of place, large outputs: rope_forward.cpp), fenced at the end of the
+// tile.
 //
 // GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
 #include <cstdint>
