@@ -10,11 +10,6 @@
 
 #include "convert.hpp"
 #include "dispatch.hpp"
-#if defined(__GNUC__) && defined(__x86_64__)
-#include <immintrin.h>
-#elif defined(__SSE2__)
-#include <emmintrin.h>
-#endif
 #include "rome/error.hpp"
 
 namespace rome::tables {
@@ -533,68 +528,9 @@ float float_from_fp16_bits(uint16_t bits) noexcept {
   return detail::fp16_to_float(bits);
 }
 
-#if defined(__SSE2__)
-namespace {
-// float_to_bf16 on 4 lanes. The rounded bits, shifted arithmetically, are the int16 of the
-// result (no finite or infinite input carries past bit 31), so a signed pack keeps them exactly.
-inline __m128i bf16_of_4(__m128i u) {
-  const __m128i lsb = _mm_and_si128(_mm_srli_epi32(u, 16), _mm_set1_epi32(1));
-  const __m128i rounded =
-      _mm_srai_epi32(_mm_add_epi32(_mm_add_epi32(u, _mm_set1_epi32(0x7fff)), lsb), 16);
-  const __m128i quiet_nan = _mm_srai_epi32(_mm_or_si128(u, _mm_set1_epi32(0x00400000)), 16);
-  const __m128i nan =
-      _mm_cmpgt_epi32(_mm_and_si128(u, _mm_set1_epi32(0x7fffffff)), _mm_set1_epi32(0x7f800000));
-  return _mm_or_si128(_mm_and_si128(nan, quiet_nan), _mm_andnot_si128(nan, rounded));
-}
-}  // namespace
-#endif
-
-#if defined(__GNUC__) && defined(__x86_64__)
-#pragma GCC diagnostic push
-// GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
-#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
-namespace {
-// The same on 16 lanes where the CPU has AVX-512 (the core itself is built for baseline x86-64):
-// the table-free builder narrows every row it writes, and the SSE2 loop took as long as the
-// cos/sin kernel.
-__attribute__((target("avx512f"))) std::size_t to_bf16_bits_avx512(std::span<const float> values,
-                                                                   uint16_t* out) noexcept {
-  std::size_t i = 0;
-  for (; i + 16 <= values.size(); i += 16) {
-    const __m512i u = _mm512_loadu_si512(values.data() + i);
-    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    const __m512i rounded = _mm512_srli_epi32(
-        _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-    const __m512i quiet_nan =
-        _mm512_srli_epi32(_mm512_or_si512(u, _mm512_set1_epi32(0x00400000)), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
-                        _mm512_cvtepi32_epi16(_mm512_mask_mov_epi32(rounded, nan, quiet_nan)));
-  }
-  return i;
-}
-}  // namespace
-#pragma GCC diagnostic pop
-#endif
-
+// Through the active ISA's kernel: the table-free builder narrows every row it writes.
 void to_bf16_bits(std::span<const float> values, uint16_t* out) noexcept {
-  std::size_t i = 0;
-#if defined(__GNUC__) && defined(__x86_64__)
-  static const bool avx512 = detail::cpu_features().avx512f;
-  if (avx512) i = to_bf16_bits_avx512(values, out);
-#endif
-#if defined(__SSE2__)
-  // Written out: the compiler's own vectorisation of the loop below narrows by shuffles, at
-  // twice the instructions (the table-free builder narrows every row it writes).
-  for (; i + 8 <= values.size(); i += 8) {
-    const __m128i lo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values.data() + i));
-    const __m128i hi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(values.data() + i + 4));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i),
-                     _mm_packs_epi32(bf16_of_4(lo), bf16_of_4(hi)));
-  }
-#endif
-  for (; i < values.size(); ++i) out[i] = detail::float_to_bf16(values[i]);
+  detail::active_kernels().narrow_bf16(std::int64_t(values.size()), values.data(), out);
 }
 
 void to_fp16_bits(std::span<const float> values, uint16_t* out) noexcept {

@@ -106,6 +106,10 @@ using NormForwardFn = void (*)(const detail::RotationData& rotation, const Forwa
 using CosSinFn = void (*)(std::int64_t n, const double* position, const double* frequency,
                           double amplitude, float* cos, float* sin);
 
+// out[i] = the bf16 bits of in[i], for i < n: round to nearest even, NaN quietened, subnormals
+// kept (core/convert.hpp's float_to_bf16). Every ISA gives the same bits.
+using NarrowBf16Fn = void (*)(std::int64_t n, const float* in, std::uint16_t* out);
+
 struct KernelTable {
   const char* name;
   ForwardFn forward_permute;  // rotation.kind == signed_permutation
@@ -115,6 +119,7 @@ struct KernelTable {
   NormForwardFn forward_norm_permute;  // nullptr: use the scalar kernel
   TableLayoutFn norm_table_layout;     // of forward_norm_permute's tiles; nullptr: natural
   CosSinFn cos_sin;                    // table-free RoPE's angles
+  NarrowBf16Fn narrow_bf16;            // tables::to_bf16_bits (16-bit tables built in bulk)
 };
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags. Feature bits

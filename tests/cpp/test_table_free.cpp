@@ -86,9 +86,9 @@ TEST(TableFreeKernel, ExactToFp32AtLongPositionsOnEveryIsa) {
   }
 }
 
-// The builder narrows its fp32 rows with the vectorised to_bf16_bits: element for element the
-// bits of bf16_bits, for every class of float (NaN payloads, infinities, subnormals, ties) and
-// every length (the vector loop's tail).
+// The builder narrows its fp32 rows with the vectorised to_bf16_bits (the active ISA's kernel):
+// element for element the bits of bf16_bits on every ISA, for every class of float (NaN
+// payloads, infinities, subnormals, ties) and every length (the vector loops' tails).
 TEST(TableFreeKernel, RowNarrowingMatchesTheScalarBf16Rounding) {
   std::mt19937 rng(5);
   std::vector<float> values;
@@ -97,16 +97,18 @@ TEST(TableFreeKernel, RowNarrowingMatchesTheScalarBf16Rounding) {
        {0x7f800000u, 0xff800000u, 0x7f800001u, 0xffc00000u, 0x7fffffffu, 0x00008000u, 0x00018000u,
         0x3f808000u, 0x3f818000u, 0x7f7fffffu, 0xff7fffffu, 0x80000000u, 0x00000000u})
     values.push_back(std::bit_cast<float>(bits));
-  for (std::size_t length : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(8),
-                             std::size_t(13), values.size()}) {
-    std::vector<std::uint16_t> out(length + 1, 0x1234);
-    const std::size_t start = values.size() - length;  // the special values sit at the end
-    tables::to_bf16_bits(std::span<const float>(values.data() + start, length), out.data());
-    for (std::size_t i = 0; i < length; ++i)
-      ASSERT_EQ(out[i], tables::bf16_bits(values[start + i]))
-          << std::hex << std::bit_cast<std::uint32_t>(values[start + i]);
-    EXPECT_EQ(out[length], 0x1234);  // nothing past the end
-  }
+  for (Isa isa : isas_under_test())
+    for (std::size_t length : {std::size_t(0), std::size_t(1), std::size_t(7), std::size_t(8),
+                               std::size_t(13), std::size_t(17), std::size_t(31), values.size()}) {
+      ScopedIsa scoped(isa);
+      std::vector<std::uint16_t> out(length + 1, 0x1234);
+      const std::size_t start = values.size() - length;  // the special values sit at the end
+      tables::to_bf16_bits(std::span<const float>(values.data() + start, length), out.data());
+      for (std::size_t i = 0; i < length; ++i)
+        ASSERT_EQ(out[i], tables::bf16_bits(values[start + i]))
+            << isa_name(isa) << " " << std::hex << std::bit_cast<std::uint32_t>(values[start + i]);
+      EXPECT_EQ(out[length], 0x1234);  // nothing past the end
+    }
 }
 
 struct NamedRotation {

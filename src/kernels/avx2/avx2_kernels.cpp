@@ -790,12 +790,21 @@ void forward_permute_any(const RotationData& r, const ForwardTile& b) {
   }
 }
 
+// 8 lanes at a time (Bf16::narrow, the permute kernels' rounding), the rest lane by lane.
+void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
+  std::int64_t i = 0;
+  for (; i + kW <= n; i += kW)
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + i), Bf16::narrow(_mm256_loadu_ps(in + i)));
+  for (; i < n; ++i) out[i] = detail::float_to_bf16(in[i]);
+}
+
 }  // namespace
 
 const KernelTable& avx2_kernels() {
   static const KernelTable table{
       "avx2",       forward_permute_any,       avx2_forward_dense,     avx2_accumulate_product,
-      table_layout, avx2_forward_norm_permute, avx2_norm_table_layout, avx2_cos_sin};
+      table_layout, avx2_forward_norm_permute, avx2_norm_table_layout, avx2_cos_sin,
+      narrow_bf16};
   return table;
 }
 

@@ -591,6 +591,16 @@ void forward_permute_any(const RotationData& r, const ForwardTile& b) {
   }
 }
 
+// 16 lanes at a time (bf16_narrow_exact: the permute kernels' rounding without AVX512-BF16,
+// which flushes subnormals), the rest lane by lane.
+void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
+  std::int64_t i = 0;
+  for (; i + kW <= n; i += kW)
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i),
+                        bf16_narrow_exact(_mm512_loadu_ps(in + i)));
+  for (; i < n; ++i) out[i] = detail::float_to_bf16(in[i]);
+}
+
 }  // namespace
 
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
@@ -601,7 +611,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                  nullptr,
                                  avx512_forward_norm_permute,
                                  nullptr,
-                                 avx512_cos_sin};
+                                 avx512_cos_sin,
+                                 narrow_bf16};
   static const KernelTable table_bf16{"avx512",
                                       forward_permute_any<true>,
                                       avx512_forward_dense,
@@ -609,7 +620,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                       nullptr,
                                       avx512_bf16_forward_norm_permute,
                                       nullptr,
-                                      avx512_cos_sin};
+                                      avx512_cos_sin,
+                                      narrow_bf16};
   static const KernelTable table_bf16_dot{"avx512",
                                           forward_permute_any<true>,
                                           avx512_bf16_forward_dense,
@@ -617,7 +629,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                           nullptr,
                                           avx512_bf16_forward_norm_permute,
                                           nullptr,
-                                          avx512_cos_sin};
+                                          avx512_cos_sin,
+                                          narrow_bf16};
   if (!avx512_bf16) return table;
   return bf16_dot ? table_bf16_dot : table_bf16;
 }
