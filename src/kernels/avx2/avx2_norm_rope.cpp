@@ -59,14 +59,8 @@ struct FoldedRow {
   NormKind kind;
   bool vector_fold, even_odd;
   std::int64_t head_dim;
-  // Rows whose sum of squares is at most this (and whose scale is finite) have no lane of
-  // r·(x_a·C' + x_b·S') that is inf or NaN, so they skip the per-chunk test: x is finite (its sum
-  // of squares is), |x_j| <= sqrt(ss), |C'_j| + |S'_j| <= m = max |cw| + max |sw|, and
-  // r <= sqrt(head_dim / ss); so every lane is at most sqrt(ss)·m <= 1e37 before scaling and
-  // sqrt(head_dim)·m <= 1e37 after (the 30x margin to FLT_MAX covers fp32's rounding of ss and
-  // the underflow of x² or ss / head_dim in the subnormal range, which can make r up to about
-  // 1.7x larger than the bound).
-  // -1 (no row) when m is too large or NaN.
+  // Rows whose sum of squares is at most this (and whose scale is finite) skip the per-chunk
+  // inf/NaN test (finite_sum_squares_bound).
   float finite_sum_squares_max = -1;
 
   // A local of each call (its table rows may sit where the last call's did), not a
@@ -76,8 +70,7 @@ struct FoldedRow {
         sw(cw_sw + r.rotary_dim),
         weight_lanes(weights),
         kind(k),
-        vector_fold((k == NormKind::half && (r.rotary_dim / 2) % kW == 0) ||
-                    (k == NormKind::interleave && r.rotary_dim % kW == 0)),
+        vector_fold(whole_vector_rows(r, k, kW)),
         even_odd(eo),
         head_dim(r.head_dim) {}
 
@@ -128,10 +121,7 @@ struct FoldedRow {
       fold_norm_weight(r, c, s, weight, cw, sw);
       m = double(max_abs(cw, rd)) + double(max_abs(sw, rd));
     }
-    finite_sum_squares_max =
-        m * std::sqrt(double(head_dim)) <= 1e37
-            ? float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)))
-            : -1.0f;
+    finite_sum_squares_max = finite_sum_squares_bound(m, head_dim);
     cos = c;
     sin = s;
   }

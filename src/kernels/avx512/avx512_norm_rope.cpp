@@ -33,13 +33,6 @@ namespace {
 using detail::RotationData;
 using namespace avx512;
 
-// Whether the rotation has a vector loop here: half with a whole-vector half, interleave with
-// whole vectors.
-bool vector_rows(const RotationData& r, NormKind kind) {
-  return (kind == NormKind::half && (r.rotary_dim / 2) % kW == 0) ||
-         (kind == NormKind::interleave && r.rotary_dim % kW == 0);
-}
-
 ROME_INLINE float horizontal_max(__m512 v) {
   return _mm512_reduce_max_ps(v);
 }
@@ -54,16 +47,15 @@ struct FoldedRow {
   NormKind kind;
   bool vector_fold;
   std::int64_t head_dim;
-  // Rows whose sum of squares is at most this (and whose scale is finite) cannot make a lane
-  // inf or NaN, so they take the vector loop without a test; see the AVX2 kernel's FoldedRow for
-  // the bound (m = max |cw| + max |sw|, sqrt(head_dim)·m <= 1e37). -1: no row.
+  // Rows whose sum of squares is at most this (and whose scale is finite) take the vector loop,
+  // which has no inf/NaN test (finite_sum_squares_bound).
   float finite_sum_squares_max = -1;
 
   FoldedRow(float* cw_sw, const RotationData& r, NormKind k)
       : cw(cw_sw),
         sw(cw_sw + r.rotary_dim),
         kind(k),
-        vector_fold(vector_rows(r, k)),
+        vector_fold(whole_vector_rows(r, k, kW)),
         head_dim(r.head_dim) {}
 
   ROME_INLINE void update(const RotationData& r, const float* c, const float* s,
@@ -105,10 +97,7 @@ struct FoldedRow {
       fold_norm_weight(r, c, s, w, cw, sw);
       m = INFINITY;
     }
-    finite_sum_squares_max =
-        m * std::sqrt(double(head_dim)) <= 1e37
-            ? float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)))
-            : -1.0f;
+    finite_sum_squares_max = finite_sum_squares_bound(m, head_dim);
     cos = c;
     sin = s;
   }
@@ -299,7 +288,7 @@ void norm_rows_any(const RotationData& r, const ForwardTile& tile, const NormPar
   FoldedRow folded(cw_sw, r, kind);
   // Only bf16 x has exact products (NormParams::exact_products).
   const bool exact = D == DType::bf16 && norm.exact_products;
-  if (!vector_rows(r, kind))
+  if (!whole_vector_rows(r, kind, kW))
     return norm_rows<D, N, NormKind::other, false>(r, tile, norm, folded, row);
   if (kind == NormKind::half)
     return exact ? norm_rows<D, N, NormKind::half, true>(r, tile, norm, folded, row)

@@ -3,6 +3,8 @@
 // copy is built with its own flags).
 #pragma once
 
+#include <algorithm>
+#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -35,6 +37,25 @@ inline NormKind classify_norm(const detail::RotationData& r) {
   last = &r;
   last_uid = r.uid;
   return kind;
+}
+
+// Whether half / interleave rows are whole vectors of `lanes` floats (the SIMD kernels' vector
+// loops: half with a whole-vector half, interleave with rotary_dim whole vectors).
+inline bool whole_vector_rows(const detail::RotationData& r, NormKind kind, std::int64_t lanes) {
+  return (kind == NormKind::half && (r.rotary_dim / 2) % lanes == 0) ||
+         (kind == NormKind::interleave && r.rotary_dim % lanes == 0);
+}
+
+// The largest sum of squares of a row whose vector loop needs no inf/NaN test, given
+// m >= max |cw| + max |sw| of the folded table row (INFINITY for NaN); -1: no row. Such a row has
+// no lane of r·(x_a·C' + x_b·S') that is inf or NaN: x is finite (its sum of squares is),
+// |x_j| <= sqrt(ss), |C'_j| + |S'_j| <= m, and r <= sqrt(head_dim / ss) (eps >= 0); so every lane
+// is at most sqrt(ss)·m <= 1e37 before scaling and sqrt(head_dim)·m <= 1e37 after (the 30x
+// margin to FLT_MAX covers fp32's rounding of ss and the underflow of x² or ss / head_dim in the
+// subnormal range, which can make r up to about 1.7x larger than the bound).
+inline float finite_sum_squares_bound(double m, std::int64_t head_dim) {
+  if (!(m * std::sqrt(double(head_dim)) <= 1e37)) return -1.0f;
+  return float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)));
 }
 
 // cw[j] = cos[j]·w[a(j)] and sw[j] = sin[j]·w[b(j)] for j < rotary_dim, where a(j) and b(j) are
