@@ -42,6 +42,18 @@ class ScopedIsa {
   ScopedIsa& operator=(const ScopedIsa&) = delete;
 };
 
+// Runs every call of a scope on `table` (nullptr: the active ISA's, as normal), e.g. a table the
+// core would not pick on this CPU.
+class ScopedKernels {
+ public:
+  explicit ScopedKernels(const kernels::KernelTable* table) {
+    detail::override_kernels_for_testing(table);
+  }
+  ~ScopedKernels() { detail::override_kernels_for_testing(nullptr); }
+  ScopedKernels(const ScopedKernels&) = delete;
+  ScopedKernels& operator=(const ScopedKernels&) = delete;
+};
+
 // Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU whose
 // vdpbf16ps the core uses, bf16 x, matrices exact in bf16): summed in the instruction's order and
 // held to the dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.

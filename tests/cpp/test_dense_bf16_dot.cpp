@@ -31,21 +31,15 @@ std::string dot_path_unavailable() {
   return "";
 }
 
-// The avx512 kernel table with the dot-product dense kernel, for a scope (whatever the core
-// would pick on this CPU).
-class DotPathKernels {
- public:
-  DotPathKernels() {
+// The avx512 kernel table with the dot-product dense kernel (whatever the core would pick on this
+// CPU; nullptr where the build has no AVX-512).
+const kernels::KernelTable* dot_path_kernels() {
 #ifdef ROME_TEST_HAVE_AVX512
-    detail::override_kernels_for_testing(&kernels::avx512_kernels(true, true));
+  return &kernels::avx512_kernels(true, true);
+#else
+  return nullptr;
 #endif
-  }
-  ~DotPathKernels() {
-    detail::override_kernels_for_testing(nullptr);
-  }
-  DotPathKernels(const DotPathKernels&) = delete;
-  DotPathKernels& operator=(const DotPathKernels&) = delete;
-};
+}
 
 float to_bf16(float v) {
   return detail::bf16_to_float(detail::float_to_bf16(v));
@@ -127,7 +121,7 @@ TEST_P(Bf16Dot, MatchesReferenceWithinFmaBound) {
   tables.cos.fill_random(rng, -1, 1);
   tables.sin.fill_random(rng, -1, 1);
   const Reference ref = reference(rotation, tables, x);
-  DotPathKernels dot_path;
+  ScopedKernels dot_path(dot_path_kernels());
   TestTensor out = in_place ? x : TestTensor::make(DType::bf16, x.shape, layout);
   rope_forward(rotation, tables.view(), Operand{in_place ? out.cview() : x.cview(), out.view()});
   const Comparison c = compare(out, ref.y, ref.bound);
@@ -178,7 +172,7 @@ TEST(Bf16Dot, OneInexactEntryFallsBackToFmaPath) {
                    Operand{in_place ? want.cview() : x.cview(), want.view()});
     }
     {
-      DotPathKernels dot_path;
+      ScopedKernels dot_path(dot_path_kernels());
       rope_forward(rotation, tables.view(),
                    Operand{in_place ? got.cview() : x.cview(), got.view()});
     }

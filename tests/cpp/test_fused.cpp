@@ -137,16 +137,6 @@ std::vector<const kernels::KernelTable*> tables_not_picked_here() {
   return out;
 }
 
-class ScopedKernels {
- public:
-  explicit ScopedKernels(const kernels::KernelTable* table) {
-    detail::override_kernels_for_testing(table);
-  }
-  ~ScopedKernels() { detail::override_kernels_for_testing(nullptr); }
-  ScopedKernels(const ScopedKernels&) = delete;
-  ScopedKernels& operator=(const ScopedKernels&) = delete;
-};
-
 struct FusedCase {
   std::int64_t d, rd, hq, hk;
   bool neox;
