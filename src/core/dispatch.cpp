@@ -191,7 +191,16 @@ int l3_sharing_threads() noexcept {
   return 1;
 }
 
+namespace {
+std::atomic<const CacheSizes*> cache_sizes_override{nullptr};
+}  // namespace
+
+void override_cache_sizes_for_testing(const CacheSizes* sizes) noexcept {
+  cache_sizes_override.store(sizes);
+}
+
 const CacheSizes& cache_sizes() noexcept {
+  if (const CacheSizes* sizes = cache_sizes_override.load(std::memory_order_relaxed)) return *sizes;
   static const CacheSizes sizes = [] {
     CacheSizes s{32 << 10, 1 << 20, 8 << 20, 0};
 #if defined(_SC_LEVEL1_DCACHE_SIZE) && defined(_SC_LEVEL2_CACHE_SIZE) && \

@@ -34,6 +34,9 @@ struct CacheSizes {
   std::int64_t l1d, l2, l3, l3_per_thread;
 };
 const CacheSizes& cache_sizes() noexcept;
+// Tests only: report `sizes` instead of this CPU's (nullptr: back to normal), so that cache-size
+// decisions (streaming stores, tile budgets) are exercised on any machine.
+void override_cache_sizes_for_testing(const CacheSizes* sizes) noexcept;
 int resolve_threads(int requested) noexcept;
 
 // Tests only: run every call on `table` instead of the active ISA's (nullptr: back to normal).

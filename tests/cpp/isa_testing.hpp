@@ -54,6 +54,21 @@ class ScopedKernels {
   ScopedKernels& operator=(const ScopedKernels&) = delete;
 };
 
+// Reports `sizes` as this CPU's caches within a scope (the streaming threshold and tile budgets
+// follow), so that paths chosen by cache size run on any machine.
+class ScopedCacheSizes {
+ public:
+  explicit ScopedCacheSizes(const detail::CacheSizes& sizes) : sizes_(sizes) {
+    detail::override_cache_sizes_for_testing(&sizes_);
+  }
+  ~ScopedCacheSizes() { detail::override_cache_sizes_for_testing(nullptr); }
+  ScopedCacheSizes(const ScopedCacheSizes&) = delete;
+  ScopedCacheSizes& operator=(const ScopedCacheSizes&) = delete;
+
+ private:
+  const detail::CacheSizes sizes_;
+};
+
 // Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU whose
 // vdpbf16ps the core uses, bf16 x, matrices exact in bf16): summed in the instruction's order and
 // held to the dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.

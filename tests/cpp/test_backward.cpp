@@ -239,13 +239,17 @@ TEST(Backward, DenseMatchesDoubleFormulasOnEveryIsa) {
         }
         for (std::int64_t i = 0; i < rd; ++i)
           for (std::int64_t j = 0; j < rd; ++j) {
-            dx[row * rd + i] += u[j] * a[i * rd + j] + v[j] * b[i * rd + j];
-            dx_scale[row * rd + i] +=
-                std::abs(u[j] * a[i * rd + j]) + std::abs(v[j] * b[i * rd + j]);
-            dc[t_row * rd + j] += gv[j] * xv[i] * a[i * rd + j];
-            ds[t_row * rd + j] += gv[j] * xv[i] * b[i * rd + j];
-            dc_scale[t_row * rd + j] += std::abs(gv[j] * xv[i] * a[i * rd + j]);
-            ds_scale[t_row * rd + j] += std::abs(gv[j] * xv[i] * b[i * rd + j]);
+            // Entries off the diagonal blocks add nothing to dx, dcos, dsin (it saves 2/3 of the
+            // time under the sanitizers); dA and dB are dense all the same.
+            if (a[i * rd + j] != 0 || b[i * rd + j] != 0) {
+              dx[row * rd + i] += u[j] * a[i * rd + j] + v[j] * b[i * rd + j];
+              dx_scale[row * rd + i] +=
+                  std::abs(u[j] * a[i * rd + j]) + std::abs(v[j] * b[i * rd + j]);
+              dc[t_row * rd + j] += gv[j] * xv[i] * a[i * rd + j];
+              ds[t_row * rd + j] += gv[j] * xv[i] * b[i * rd + j];
+              dc_scale[t_row * rd + j] += std::abs(gv[j] * xv[i] * a[i * rd + j]);
+              ds_scale[t_row * rd + j] += std::abs(gv[j] * xv[i] * b[i * rd + j]);
+            }
             da[i * rd + j] += xv[i] * u[j];
             db[i * rd + j] += xv[i] * v[j];
             da_scale[i * rd + j] += std::abs(xv[i] * u[j]);
