@@ -905,6 +905,79 @@ void prefetch_cache_rows(const ForwardPlan& plan, const int64_t* outer) {
   for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(rows.sin + b);
 }
 
+namespace {
+
+// One cache row of dtype D (unit lane stride) spread over rd lanes as load_table_row spreads it,
+// sin negated when asked (flip: the sign bit, as `-x` flips it) and the signs folded in, in one
+// pass: out[j] = bits(value of lane j) ^ signs[j] ^ flip. Pure data movement, so the bits are
+// those of load_table_row + fold_signs; a decode step spent most of its table time in their
+// three passes over a scratch row.
+template <DType D, bool kSigns>
+void spread_row_typed(const char* row, TableWidth width, int64_t w, int64_t rd,
+                      const std::uint32_t* __restrict signs, std::uint32_t flip,
+                      std::uint32_t* __restrict out) {
+  const auto* __restrict p = reinterpret_cast<const typename Storage<D>::type*>(row);
+  auto value = [&](int64_t c) -> std::uint32_t {
+    if constexpr (D == DType::f32) {
+      std::uint32_t u;
+      std::memcpy(&u, p + c, 4);
+      return u;
+    } else {
+      return float_bits(load_float<D>(p + c));
+    }
+  };
+  auto sign = [&](int64_t j) -> std::uint32_t {
+    if constexpr (kSigns)
+      return signs[j] ^ flip;
+    else
+      return flip;
+  };
+  switch (width) {
+    case TableWidth::full:
+      for (int64_t j = 0; j < rd; ++j) out[j] = value(j) ^ sign(j);
+      return;
+    case TableWidth::halves:  // rd == 2 w
+      for (int64_t c = 0; c < w; ++c) {
+        const std::uint32_t v = value(c);
+        out[c] = v ^ sign(c);
+        out[w + c] = v ^ sign(w + c);
+      }
+      return;
+    case TableWidth::pairs:  // rd == 2 w
+      for (int64_t c = 0; c < w; ++c) {
+        const std::uint32_t v = value(c);
+        out[2 * c] = v ^ sign(2 * c);
+        out[2 * c + 1] = v ^ sign(2 * c + 1);
+      }
+      return;
+  }
+}
+
+template <bool kSigns>
+void spread_row(const char* row, DType dtype, TableWidth width, int64_t w, int64_t rd,
+                const std::uint32_t* signs, std::uint32_t flip, float* out) {
+  // The table buffers are only ever written through these 32-bit lanes before the kernels read
+  // them as floats.
+  auto* dst = reinterpret_cast<std::uint32_t*>(out);
+  switch (dtype) {
+    case DType::f32:
+      return spread_row_typed<DType::f32, kSigns>(row, width, w, rd, signs, flip, dst);
+    case DType::f16:
+      return spread_row_typed<DType::f16, kSigns>(row, width, w, rd, signs, flip, dst);
+    default: return spread_row_typed<DType::bf16, kSigns>(row, width, w, rd, signs, flip, dst);
+  }
+}
+
+void spread_row(const char* row, DType dtype, TableWidth width, int64_t w, int64_t rd,
+                const std::uint32_t* signs, std::uint32_t flip, float* out) {
+  if (signs)
+    spread_row<true>(row, dtype, width, w, rd, signs, flip, out);
+  else
+    spread_row<false>(row, dtype, width, w, rd, signs, flip, out);
+}
+
+}  // namespace
+
 void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens, int64_t stride,
                         kernels::TableLayout layout, float* cos, float* sin, float* row_cos,
                         float* row_sin) {
@@ -927,15 +1000,34 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       outer[last] = first + i;
       prefetch_cache_rows(plan, outer);
     }
+  // Rows gathered by one position per token from a float cache with unit lane strides (vLLM's
+  // cos_sin_cache): read, spread, negated and sign-folded in one pass (spread_row).
+  const bool spread = gather && t.cos_lane == 1 && t.sin_lane == 1 && is_floating(t.dtype_cos) &&
+                      is_floating(t.dtype_sin) &&
+                      (t.width == TableWidth::full || rd == 2 * t.columns);
+  const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
   for (int64_t i = 0; i < tokens; ++i) {
     if (gather && i + kAhead < tokens) {
       outer[last] = first + i + kAhead;
       prefetch_cache_rows(plan, outer);
     }
     if (last >= 0) outer[last] = first + i;
-    const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
     float* c = cos + i * stride;
     float* s = sin + i * stride;
+    if (spread) {
+      const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
+      const int64_t w = t.columns;
+      spread_row(rows.cos, t.dtype_cos, t.width, w, rd, cos_bits, 0u, even_odd ? row_cos : c);
+      spread_row(rows.sin, t.dtype_sin, t.width, w, rd, sin_bits, sin_flip, even_odd ? row_sin : s);
+      if (even_odd) {
+        split_even_odd_16(row_cos, rd, c);
+        split_even_odd_16(row_sin, rd, s);
+      }
+      std::fill(c + rd, c + stride, 0.0f);
+      std::fill(s + rd, s + stride, 0.0f);
+      continue;
+    }
+    const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
     if (even_odd) {
       // Through the scratch rows (load_table_row may have returned them: fold in place first).
       fold_signs(row.cos, cos_bits, rd, row_cos);
