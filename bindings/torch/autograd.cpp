@@ -267,13 +267,21 @@ Tensor interleaved_autograd(const Tensor& x, const Tensor& freqs_cis) {
   return InterleavedFunction::apply(x, freqs_cis);
 }
 
+// An argument of inference_only, by reference: copying each tensor into an optional cost a
+// reference count increment and decrement per argument and call.
+struct NamedInput {
+  NamedInput(const char* n, const Tensor& t) : name(n), tensor(t.defined() ? &t : nullptr) {}
+  NamedInput(const char* n, const OptTensor& t) : name(n), tensor(has(t) ? &*t : nullptr) {}
+  const char* name;
+  const Tensor* tensor;
+};
+
 // In-place ops are inference only: autograd cannot record a kernel that overwrites its input.
-void inference_only(const char* op,
-                    std::initializer_list<std::pair<const char*, OptTensor>> inputs) {
+void inference_only(const char* op, std::initializer_list<NamedInput> inputs) {
   if (!at::GradMode::is_enabled()) return;
   guarded([&] {
     for (const auto& [name, t] : inputs)
-      if (requires_grad(t))
+      if (t && t->requires_grad())
         rome::fail(rome::Status::unsupported, name,
                    std::string("a tensor that does not require grad (rome::") + op +
                        " is in place and inference only: use the out-of-place op for training, "

@@ -38,7 +38,7 @@ std::string dims_string(const int64_t* shape, int rank) {
 }
 
 template <typename P>
-int64_t checked_numel(const std::string& name, const BasicView<P>& v) {
+int64_t checked_numel(const char* name, const BasicView<P>& v) {
   // Overflow checks by multiplication: a 64-bit division per axis was a visible part of a
   // decode call.
   int64_t n = 1;
@@ -81,14 +81,15 @@ bool bytes_may_overlap(const BasicView<P1>& a, const BasicView<P2>& b) {
 
 // An output must not share memory with anything the call still reads after writing it.
 template <typename P>
-void require_disjoint(const TensorView& out, const std::string& out_name, const BasicView<P>& in,
-                      const std::string& in_name) {
+void require_disjoint(const TensorView& out, const char* out_name, const BasicView<P>& in,
+                      const char* in_name) {
   if (bytes_may_overlap(out, in))
-    fail(Status::invalid_argument, out_name, "memory disjoint from " + in_name, "an overlap");
+    fail(Status::invalid_argument, out_name, std::string("memory disjoint from ") + in_name,
+         "an overlap");
 }
 
 template <typename P>
-void check_strides(const std::string& name, const BasicView<P>& v) {
+void check_strides(const char* name, const BasicView<P>& v) {
   // |stride| · (size-1) summed must fit in 2^60 elements, with room for byte offsets.
   int64_t reach = 0;
   for (int i = 0; i < v.rank; ++i) {
@@ -185,7 +186,7 @@ bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_siz
 // The data pointer of a view with `numel` elements: non-null unless the view is empty, and a
 // multiple of the element size (kernels and the scalar path load through typed pointers: a
 // misaligned address is undefined behaviour, and a split load on some CPUs).
-void check_data_pointer(const std::string& name, const void* data, DType dtype, int64_t numel) {
+void check_data_pointer(const char* name, const void* data, DType dtype, int64_t numel) {
   if (numel == 0 || t_metadata_only) return;
   if (data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
   const int es = dtype_size(dtype);
@@ -204,13 +205,15 @@ struct CheckedOperand {
   bool in_place = false;
 };
 
-void check_tensor(const std::string& name, const ConstTensorView& v, int64_t head_dim) {
+// Names are C strings in these checks: the std::string of a message is built only on failure (a
+// decode step built a few dozen short strings on the way to its kernel).
+void check_tensor(const char* name, const ConstTensorView& v, int64_t head_dim) {
   if (v.rank < 2 || v.rank > kMaxRank)
     fail(Status::invalid_argument, name, "rank 2 to 5 with the head dimension last",
          "rank " + to_string(v.rank));
   const int64_t n = checked_numel(name, v);
   if (!is_floating(v.dtype))
-    fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+    fail(Status::invalid_argument, std::string(name) + ".dtype", "float32, float16 or bfloat16",
          dtype_name(v.dtype));
   if (v.shape[v.rank - 1] != head_dim)
     fail(Status::invalid_argument, name,
@@ -222,18 +225,18 @@ void check_tensor(const std::string& name, const ConstTensorView& v, int64_t hea
   check_strides(name, v);
 }
 
-CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t head_dim,
+// out_name: name + "_out".
+CheckedOperand check_operand(const char* name, const char* out, const Operand& op, int64_t head_dim,
                              bool written = true) {
   check_tensor(name, op.in, head_dim);
   if (!written) return {};
-  const std::string out = name + "_out";
   check_tensor(out, as_const(op.out), head_dim);
   if (op.out.dtype != op.in.dtype)
-    fail(Status::invalid_argument, out + ".dtype", dtype_name(op.in.dtype),
+    fail(Status::invalid_argument, std::string(out) + ".dtype", dtype_name(op.in.dtype),
          dtype_name(op.out.dtype));
   if (op.out.rank != op.in.rank || !std::equal(op.in.shape, op.in.shape + op.in.rank, op.out.shape))
-    fail(Status::invalid_argument, out, "the shape of " + name + " " + shape_string(op.in),
-         shape_string(op.out));
+    fail(Status::invalid_argument, out,
+         std::string("the shape of ") + name + " " + shape_string(op.in), shape_string(op.out));
   CheckedOperand c;
   if (op.in.numel() == 0) return c;
   if (!has_distinct_elements(op.out))
@@ -246,7 +249,7 @@ CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t
     c.in_place = op.in.shape[i] <= 1 || op.in.strides[i] == op.out.strides[i];
   if (!c.in_place && may_overlap(op.in, op.out, dtype_size(op.in.dtype)))
     fail(Status::invalid_argument, out,
-         "memory disjoint from " + name + " or exactly " + name + " (in place)",
+         std::string("memory disjoint from ") + name + " or exactly " + name + " (in place)",
          "a partial overlap");
   return c;
 }
@@ -365,13 +368,14 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   const RotationData& rot = rotation.data();
   ForwardPlan plan;
   plan.rotation = &rot;
-  const CheckedOperand cq = check_operand(q_written ? "q" : "grad", q, rot.head_dim, q_written);
+  const CheckedOperand cq =
+      check_operand(q_written ? "q" : "grad", "q_out", q, rot.head_dim, q_written);
   plan.dtype = q.in.dtype;
   const int rank = q.in.rank;
   const int axes = rank - 1;  // every axis but the head
   CheckedOperand ck;
   if (k) {
-    ck = check_operand("k", *k, rot.head_dim);
+    ck = check_operand("k", "k_out", *k, rot.head_dim);
     if (k->in.rank != rank)
       fail(Status::invalid_argument, "k", "rank " + to_string(rank) + " (the rank of q)",
            "rank " + to_string(k->in.rank));
@@ -407,13 +411,13 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   }
   for (const auto* t : {&cos, &sin}) {
     if (table_free) break;
-    const std::string name = t == &cos ? "cos" : "sin";
+    const char* name = t == &cos ? "cos" : "sin";
     if (t->rank < 1 || t->rank > kMaxRank)
       fail(Status::invalid_argument, name, "rank 1 to 5", "rank " + to_string(t->rank));
     checked_numel(name, *t);
     check_strides(name, *t);
     if (!is_floating(t->dtype))
-      fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+      fail(Status::invalid_argument, std::string(name) + ".dtype", "float32, float16 or bfloat16",
            dtype_name(t->dtype));
     if (t->shape[t->rank - 1] != columns)
       fail(Status::invalid_argument, name,
@@ -450,7 +454,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   // table source along that axis go to the outer plan.
   bool varies[kMaxRank] = {};
   int64_t cos_stride[kMaxRank] = {}, sin_stride[kMaxRank] = {}, pos_stride[kMaxRank] = {};
-  auto check_broadcast = [&](const std::string& name, const ConstTensorView& t, int t_axes) {
+  auto check_broadcast = [&](const char* name, const ConstTensorView& t, int t_axes) {
     if (t_axes > axes)
       fail(Status::invalid_argument, name,
            "at most " + to_string(axes) + " axes before the last (x has rank " + to_string(rank) +
@@ -560,7 +564,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     plan.k = split_operand(plan, k->in, k->out.data, k->out.strides);
     plan.k.in_place = ck.in_place;
   }
-  auto outputs_clear_of_tables = [&](const TensorView& out, const std::string& name) {
+  auto outputs_clear_of_tables = [&](const TensorView& out, const char* name) {
     if (t_metadata_only) return;
     if (!table_free) {
       require_disjoint(out, name, cos, "cos");
@@ -629,8 +633,8 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
       if (!is_floating(d->dtype))
         fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
              dtype_name(d->dtype));
-      check_strides(name, *d);
-      check_data_pointer(name, d->data, d->dtype, d->numel());
+      check_strides(name.c_str(), *d);
+      check_data_pointer(name.c_str(), d->data, d->dtype, d->numel());
       if (!has_distinct_elements(*d))
         fail(Status::invalid_argument, name, "strides that give every element its own address",
              "strides " + dims_string(d->strides, d->rank));
@@ -1061,7 +1065,8 @@ BasicView<P> narrowed_view(BasicView<P> v, int64_t lane_offset) {
 
 NarrowedOperand narrow_operand(const std::string& name, const Operand& op, int64_t head_dim,
                                int64_t lane_offset, bool written) {
-  const CheckedOperand c = check_operand(name, op, head_dim, written);
+  const std::string out = name + "_out";
+  const CheckedOperand c = check_operand(name.c_str(), out.c_str(), op, head_dim, written);
   NarrowedOperand n;
   n.operand.in = narrowed_view(op.in, lane_offset);
   if (written) n.operand.out = narrowed_view(op.out, lane_offset);
@@ -1071,13 +1076,13 @@ NarrowedOperand narrow_operand(const std::string& name, const Operand& op, int64
 
 ConstTensorView narrow_lanes(const std::string& name, const ConstTensorView& v, int64_t head_dim,
                              int64_t lane_offset) {
-  check_tensor(name, v, head_dim);
+  check_tensor(name.c_str(), v, head_dim);
   return narrowed_view(v, lane_offset);
 }
 
 TensorView narrow_lanes(const std::string& name, const TensorView& v, int64_t head_dim,
                         int64_t lane_offset) {
-  check_tensor(name, as_const(v), head_dim);
+  check_tensor(name.c_str(), as_const(v), head_dim);
   return narrowed_view(v, lane_offset);
 }
 
@@ -1101,11 +1106,11 @@ void copy_leading_lanes(const ConstTensorView& in, const TensorView& out, int64_
 
 void require_disjoint_views(const TensorView& out, const std::string& out_name,
                             const ConstTensorView& in, const std::string& in_name) {
-  require_disjoint(out, out_name, in, in_name);
+  require_disjoint(out, out_name.c_str(), in, in_name.c_str());
 }
 
 void check_head_tensor(const std::string& name, const ConstTensorView& v, int64_t head_dim) {
-  check_tensor(name, v, head_dim);
+  check_tensor(name.c_str(), v, head_dim);
 }
 
 void require_distinct_elements(const std::string& name, const TensorView& v) {
