@@ -267,13 +267,21 @@ Tensor interleaved_autograd(const Tensor& x, const Tensor& freqs_cis) {
   return InterleavedFunction::apply(x, freqs_cis);
 }
 
+// An argument of inference_only, by reference: copying each tensor into an optional cost a
+// reference count increment and decrement per argument and call.
+struct NamedInput {
+  NamedInput(const char* n, const Tensor& t) : name(n), tensor(t.defined() ? &t : nullptr) {}
+  NamedInput(const char* n, const OptTensor& t) : name(n), tensor(has(t) ? &*t : nullptr) {}
+  const char* name;
+  const Tensor* tensor;
+};
+
 // In-place ops are inference only: autograd cannot record a kernel that overwrites its input.
-void inference_only(const char* op,
-                    std::initializer_list<std::pair<const char*, OptTensor>> inputs) {
+void inference_only(const char* op, std::initializer_list<NamedInput> inputs) {
   if (!at::GradMode::is_enabled()) return;
   guarded([&] {
     for (const auto& [name, t] : inputs)
-      if (requires_grad(t))
+      if (t && t->requires_grad())
         rome::fail(rome::Status::unsupported, name,
                    std::string("a tensor that does not require grad (rome::") + op +
                        " is in place and inference only: use the out-of-place op for training, "
@@ -334,14 +342,22 @@ void rope_matrix_inplace_autograd(const Tensor& x, const Tensor& mat, const Tens
   op.call(x, mat, sin, cos);
 }
 
-void rotary_embedding_autograd(const Tensor& positions, const Tensor& query, const OptTensor& key,
-                               int64_t head_size, const Tensor& cos_sin_cache, bool is_neox,
-                               int64_t rope_dim_offset, bool inverse) {
+void bump(const OptTensor& t);
+
+// vLLM's op runs once per layer and decode step: the backend kernel is reached in one hop
+// (redispatch past ADInplaceOrView) and the version counters are bumped here, as
+// rotary_embedding_view does, rather than through a second dispatch.
+void rotary_embedding_autograd(c10::DispatchKeySet keys, const Tensor& positions,
+                               const Tensor& query, const OptTensor& key, int64_t head_size,
+                               const Tensor& cos_sin_cache, bool is_neox, int64_t rope_dim_offset,
+                               bool inverse) {
   ROME_OP(op, "rome::rotary_embedding", RotaryEmbeddingSig);
   inference_only("rotary_embedding",
                  {{"query", query}, {"key", key}, {"cos_sin_cache", cos_sin_cache}});
-  at::AutoDispatchBelowAutograd guard;
-  op.call(positions, query, key, head_size, cos_sin_cache, is_neox, rope_dim_offset, inverse);
+  op.redispatch(keys & c10::after_ADInplaceOrView_keyset, positions, query, key, head_size,
+                cos_sin_cache, is_neox, rope_dim_offset, inverse);
+  bump(query);
+  bump(key);
 }
 
 void fused_qk_norm_rope_autograd(const Tensor& qkv, int64_t hq, int64_t hk, int64_t hv,

@@ -184,14 +184,14 @@ rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes
 // two tensor allocations per decode step) + positions [T] / [B, S] as [T, 1] / [B, S, 1] (one
 // position for every head). rotary_dim must be even and at most max_rotary.
 rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
-                         int64_t max_rotary, const std::string& max_rotary_what) {
+                         int64_t max_rotary, const char* max_rotary_what) {
   if (positions.dim() < 1 || positions.dim() > 2)
     rome::fail(rome::Status::invalid_argument, "positions", "[T] or [B, S]", shape_of(positions));
   if (cos_sin_cache.dim() != 2 || cos_sin_cache.size(1) % 2 != 0 || cos_sin_cache.size(1) == 0 ||
       cos_sin_cache.size(1) > max_rotary)
     rome::fail(rome::Status::invalid_argument, "cos_sin_cache",
                "[max_position, rotary_dim] with an even rotary_dim of at most " +
-                   std::to_string(max_rotary) + " (" + max_rotary_what + ")",
+                   std::to_string(max_rotary) + " (" + std::string(max_rotary_what) + ")",
                shape_of(cos_sin_cache));
   const int64_t rd = cos_sin_cache.size(1), token_axes = positions.dim();
   rome::Tables tables;
@@ -209,9 +209,26 @@ rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, b
   return tables;
 }
 
+// The rotation of this thread's last call with the same arguments is reused as is: a decode step
+// otherwise paid build_rotation's locked cache lookup (strings, vectors) for the same rotation.
 rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox, int64_t offset) {
-  return build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size, std::nullopt,
-                        std::nullopt, "mat_b", offset);
+  struct Last {
+    int64_t rd = -1, head_size = -1, offset = -1;
+    bool is_neox = false;
+    std::optional<rome::Rotation> rotation;
+  };
+  thread_local Last last;
+  if (last.rotation && last.rd == rd && last.head_size == head_size && last.offset == offset &&
+      last.is_neox == is_neox)
+    return *last.rotation;
+  rome::Rotation rotation = build_rotation(is_neox ? "half" : "interleave", {}, rd, head_size,
+                                           std::nullopt, std::nullopt, "mat_b", offset);
+  last.rotation = rotation;
+  last.rd = rd;
+  last.head_size = head_size;
+  last.offset = offset;
+  last.is_neox = is_neox;
+  return rotation;
 }
 
 // vLLM's ops name q, k and the tables query, key and cos_sin_cache, and the head size head_size.

@@ -104,7 +104,7 @@ void rope_from_positions_inplace_call(Mode mode, const Tensor& q, const OptTenso
 rome::TensorView vllm_view(const Tensor& t, const char* name, int64_t token_axes,
                            int64_t head_size);
 rome::Tables vllm_tables(const Tensor& positions, const Tensor& cos_sin_cache, bool is_neox,
-                         int64_t max_rotary, const std::string& max_rotary_what);
+                         int64_t max_rotary, const char* max_rotary_what);
 rome::Rotation vllm_rotation(int64_t rd, int64_t head_size, bool is_neox, int64_t offset = 0);
 
 }  // namespace rome_torch

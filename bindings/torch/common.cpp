@@ -68,59 +68,69 @@ static std::string torch_dtype_name(at::ScalarType t) {
   }
 }
 
-static void check_cpu(const Tensor& t, const std::string& name) {
+// Names are C strings: the std::string of an error message is built only when it fails.
+static void check_cpu(const Tensor& t, const char* name) {
   if (!t.device().is_cpu())
-    rome::fail(rome::Status::invalid_argument, name + ".device", "cpu", t.device().str());
+    rome::fail(rome::Status::invalid_argument, std::string(name) + ".device", "cpu",
+               t.device().str());
 }
 
-rome::DType float_dtype(const Tensor& t, const std::string& name) {
+rome::DType float_dtype(const Tensor& t, const char* name) {
   switch (t.scalar_type()) {
     case at::kFloat: return rome::DType::f32;
     case at::kHalf: return rome::DType::f16;
     case at::kBFloat16: return rome::DType::bf16;
     default:
-      rome::fail(rome::Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
-                 torch_dtype_name(t.scalar_type()));
+      rome::fail(rome::Status::invalid_argument, std::string(name) + ".dtype",
+                 "float32, float16 or bfloat16", torch_dtype_name(t.scalar_type()));
   }
 }
 
-static rome::DType any_dtype(const Tensor& t, const std::string& name, bool integer) {
+static rome::DType any_dtype(const Tensor& t, const char* name, bool integer) {
   if (!integer) return float_dtype(t, name);
   switch (t.scalar_type()) {
     case at::kInt: return rome::DType::i32;
     case at::kLong: return rome::DType::i64;
     default:
-      rome::fail(rome::Status::invalid_argument, name + ".dtype", "int32 or int64",
+      rome::fail(rome::Status::invalid_argument, std::string(name) + ".dtype", "int32 or int64",
                  torch_dtype_name(t.scalar_type()));
   }
 }
 
 // Meta tensors (the Meta kernels, which only check) give views without data.
 template <typename View>
-static View make_view(const Tensor& t, const std::string& name, bool integer) {
-  if (!t.is_meta()) check_cpu(t, name);
+static View make_view(const Tensor& t, const char* name, bool integer) {
+  const bool meta = t.is_meta();
+  if (!meta) check_cpu(t, name);
   const rome::DType dtype = any_dtype(t, name, integer);
-  if (t.dim() > rome::kMaxRank)
+  const c10::IntArrayRef sizes = t.sizes(), strides = t.strides();
+  if (sizes.size() > std::size_t(rome::kMaxRank))
     rome::fail(rome::Status::invalid_argument, name,
                "rank at most " + std::to_string(rome::kMaxRank),
                "rank " + std::to_string(t.dim()) + " " + shape_of(t));
   View v;
   using Pointer = decltype(v.data);
-  v.data = t.is_meta() ? nullptr : static_cast<Pointer>(t.data_ptr());
+  v.data = meta ? nullptr : static_cast<Pointer>(t.data_ptr());
   v.dtype = dtype;
-  v.rank = static_cast<int>(t.dim());
+  v.rank = static_cast<int>(sizes.size());
   for (int i = 0; i < v.rank; ++i) {
-    v.shape[i] = t.size(i);
-    v.strides[i] = t.stride(i);
+    v.shape[i] = sizes[std::size_t(i)];
+    v.strides[i] = strides[std::size_t(i)];
   }
   return v;
 }
 
-rome::ConstTensorView const_view(const Tensor& t, const std::string& name, bool integer) {
+rome::ConstTensorView const_view(const Tensor& t, const char* name, bool integer) {
   return make_view<rome::ConstTensorView>(t, name, integer);
 }
-rome::TensorView mutable_view(const Tensor& t, const std::string& name) {
+rome::TensorView mutable_view(const Tensor& t, const char* name) {
   return make_view<rome::TensorView>(t, name, false);
+}
+rome::ConstTensorView const_view(const Tensor& t, const std::string& name, bool integer) {
+  return const_view(t, name.c_str(), integer);
+}
+rome::TensorView mutable_view(const Tensor& t, const std::string& name) {
+  return mutable_view(t, name.c_str());
 }
 
 // The input as the core reads it: a contiguous last axis (a copy only when it is not).
@@ -142,8 +152,8 @@ Tensor alloc_like(const Tensor& t) {
 
 // A meta matrix has no values: the identity stands in (the Meta kernels check shapes only).
 static std::vector<float> matrix_values(const Tensor& m, const std::string& name, int64_t rd) {
-  if (!m.is_meta()) check_cpu(m, name);
-  float_dtype(m, name);
+  if (!m.is_meta()) check_cpu(m, name.c_str());
+  float_dtype(m, name.c_str());
   if (m.dim() != 2 || m.size(0) != rd || m.size(1) != rd)
     rome::fail(rome::Status::invalid_argument, name,
                "a [" + std::to_string(rd) + ", " + std::to_string(rd) +

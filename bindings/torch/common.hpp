@@ -19,6 +19,8 @@ using OptTensor = std::optional<Tensor>;
 // Rethrows as ValueError / IndexError / NotImplementedError with the core's message.
 [[noreturn]] void rethrow(const rome::Error& e);
 std::string shape_of(const Tensor& t);
+rome::ConstTensorView const_view(const Tensor& t, const char* name, bool integer);
+rome::TensorView mutable_view(const Tensor& t, const char* name);
 rome::ConstTensorView const_view(const Tensor& t, const std::string& name, bool integer);
 rome::TensorView mutable_view(const Tensor& t, const std::string& name);
 Tensor readable(const Tensor& t);

@@ -38,7 +38,7 @@ std::string dims_string(const int64_t* shape, int rank) {
 }
 
 template <typename P>
-int64_t checked_numel(const std::string& name, const BasicView<P>& v) {
+int64_t checked_numel(const char* name, const BasicView<P>& v) {
   // Overflow checks by multiplication: a 64-bit division per axis was a visible part of a
   // decode call.
   int64_t n = 1;
@@ -81,14 +81,15 @@ bool bytes_may_overlap(const BasicView<P1>& a, const BasicView<P2>& b) {
 
 // An output must not share memory with anything the call still reads after writing it.
 template <typename P>
-void require_disjoint(const TensorView& out, const std::string& out_name, const BasicView<P>& in,
-                      const std::string& in_name) {
+void require_disjoint(const TensorView& out, const char* out_name, const BasicView<P>& in,
+                      const char* in_name) {
   if (bytes_may_overlap(out, in))
-    fail(Status::invalid_argument, out_name, "memory disjoint from " + in_name, "an overlap");
+    fail(Status::invalid_argument, out_name, std::string("memory disjoint from ") + in_name,
+         "an overlap");
 }
 
 template <typename P>
-void check_strides(const std::string& name, const BasicView<P>& v) {
+void check_strides(const char* name, const BasicView<P>& v) {
   // |stride| · (size-1) summed must fit in 2^60 elements, with room for byte offsets.
   int64_t reach = 0;
   for (int i = 0; i < v.rank; ++i) {
@@ -185,7 +186,7 @@ bool may_overlap(const BasicView<P1>& a, const BasicView<P2>& b, int element_siz
 // The data pointer of a view with `numel` elements: non-null unless the view is empty, and a
 // multiple of the element size (kernels and the scalar path load through typed pointers: a
 // misaligned address is undefined behaviour, and a split load on some CPUs).
-void check_data_pointer(const std::string& name, const void* data, DType dtype, int64_t numel) {
+void check_data_pointer(const char* name, const void* data, DType dtype, int64_t numel) {
   if (numel == 0 || t_metadata_only) return;
   if (data == nullptr) fail(Status::invalid_argument, name, "a data pointer", "null");
   const int es = dtype_size(dtype);
@@ -204,13 +205,15 @@ struct CheckedOperand {
   bool in_place = false;
 };
 
-void check_tensor(const std::string& name, const ConstTensorView& v, int64_t head_dim) {
+// Names are C strings in these checks: the std::string of a message is built only on failure (a
+// decode step built a few dozen short strings on the way to its kernel).
+void check_tensor(const char* name, const ConstTensorView& v, int64_t head_dim) {
   if (v.rank < 2 || v.rank > kMaxRank)
     fail(Status::invalid_argument, name, "rank 2 to 5 with the head dimension last",
          "rank " + to_string(v.rank));
   const int64_t n = checked_numel(name, v);
   if (!is_floating(v.dtype))
-    fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+    fail(Status::invalid_argument, std::string(name) + ".dtype", "float32, float16 or bfloat16",
          dtype_name(v.dtype));
   if (v.shape[v.rank - 1] != head_dim)
     fail(Status::invalid_argument, name,
@@ -222,18 +225,30 @@ void check_tensor(const std::string& name, const ConstTensorView& v, int64_t hea
   check_strides(name, v);
 }
 
-CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t head_dim,
+// Whether two views are the same view: data, dtype, rank, shape and strides.
+template <typename P1, typename P2>
+bool same_view(const BasicView<P1>& a, const BasicView<P2>& b) {
+  if (static_cast<const void*>(a.data) != static_cast<const void*>(b.data) || a.dtype != b.dtype ||
+      a.rank != b.rank)
+    return false;
+  for (int i = 0; i < a.rank; ++i)
+    if (a.shape[i] != b.shape[i] || a.strides[i] != b.strides[i]) return false;
+  return true;
+}
+
+// out_name: name + "_out".
+CheckedOperand check_operand(const char* name, const char* out, const Operand& op, int64_t head_dim,
                              bool written = true) {
   check_tensor(name, op.in, head_dim);
   if (!written) return {};
-  const std::string out = name + "_out";
-  check_tensor(out, as_const(op.out), head_dim);
+  // In place (out is in, field for field) out passes exactly the checks in passed.
+  if (!same_view(op.in, op.out)) check_tensor(out, as_const(op.out), head_dim);
   if (op.out.dtype != op.in.dtype)
-    fail(Status::invalid_argument, out + ".dtype", dtype_name(op.in.dtype),
+    fail(Status::invalid_argument, std::string(out) + ".dtype", dtype_name(op.in.dtype),
          dtype_name(op.out.dtype));
   if (op.out.rank != op.in.rank || !std::equal(op.in.shape, op.in.shape + op.in.rank, op.out.shape))
-    fail(Status::invalid_argument, out, "the shape of " + name + " " + shape_string(op.in),
-         shape_string(op.out));
+    fail(Status::invalid_argument, out,
+         std::string("the shape of ") + name + " " + shape_string(op.in), shape_string(op.out));
   CheckedOperand c;
   if (op.in.numel() == 0) return c;
   if (!has_distinct_elements(op.out))
@@ -246,7 +261,7 @@ CheckedOperand check_operand(const std::string& name, const Operand& op, int64_t
     c.in_place = op.in.shape[i] <= 1 || op.in.strides[i] == op.out.strides[i];
   if (!c.in_place && may_overlap(op.in, op.out, dtype_size(op.in.dtype)))
     fail(Status::invalid_argument, out,
-         "memory disjoint from " + name + " or exactly " + name + " (in place)",
+         std::string("memory disjoint from ") + name + " or exactly " + name + " (in place)",
          "a partial overlap");
   return c;
 }
@@ -365,13 +380,14 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   const RotationData& rot = rotation.data();
   ForwardPlan plan;
   plan.rotation = &rot;
-  const CheckedOperand cq = check_operand(q_written ? "q" : "grad", q, rot.head_dim, q_written);
+  const CheckedOperand cq =
+      check_operand(q_written ? "q" : "grad", "q_out", q, rot.head_dim, q_written);
   plan.dtype = q.in.dtype;
   const int rank = q.in.rank;
   const int axes = rank - 1;  // every axis but the head
   CheckedOperand ck;
   if (k) {
-    ck = check_operand("k", *k, rot.head_dim);
+    ck = check_operand("k", "k_out", *k, rot.head_dim);
     if (k->in.rank != rank)
       fail(Status::invalid_argument, "k", "rank " + to_string(rank) + " (the rank of q)",
            "rank " + to_string(k->in.rank));
@@ -382,9 +398,11 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     if (k->in.numel() > 0 && q.in.numel() > 0 && !t_metadata_only) {
       if (may_overlap(q.out, k->out, es))
         fail(Status::invalid_argument, "k_out", "memory disjoint from q_out", "an overlap");
-      if (may_overlap(q.in, k->out, es))
+      // Both in place (each out is its in): these are the test above again.
+      const bool both_in_place = same_view(q.in, q.out) && same_view(k->in, k->out);
+      if (!both_in_place && may_overlap(q.in, k->out, es))
         fail(Status::invalid_argument, "k_out", "memory disjoint from q", "an overlap");
-      if (may_overlap(k->in, q.out, es))
+      if (!both_in_place && may_overlap(k->in, q.out, es))
         fail(Status::invalid_argument, "q_out", "memory disjoint from k", "an overlap");
     }
   }
@@ -407,13 +425,13 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   }
   for (const auto* t : {&cos, &sin}) {
     if (table_free) break;
-    const std::string name = t == &cos ? "cos" : "sin";
+    const char* name = t == &cos ? "cos" : "sin";
     if (t->rank < 1 || t->rank > kMaxRank)
       fail(Status::invalid_argument, name, "rank 1 to 5", "rank " + to_string(t->rank));
     checked_numel(name, *t);
     check_strides(name, *t);
     if (!is_floating(t->dtype))
-      fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
+      fail(Status::invalid_argument, std::string(name) + ".dtype", "float32, float16 or bfloat16",
            dtype_name(t->dtype));
     if (t->shape[t->rank - 1] != columns)
       fail(Status::invalid_argument, name,
@@ -450,7 +468,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   // table source along that axis go to the outer plan.
   bool varies[kMaxRank] = {};
   int64_t cos_stride[kMaxRank] = {}, sin_stride[kMaxRank] = {}, pos_stride[kMaxRank] = {};
-  auto check_broadcast = [&](const std::string& name, const ConstTensorView& t, int t_axes) {
+  auto check_broadcast = [&](const char* name, const ConstTensorView& t, int t_axes) {
     if (t_axes > axes)
       fail(Status::invalid_argument, name,
            "at most " + to_string(axes) + " axes before the last (x has rank " + to_string(rank) +
@@ -560,7 +578,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     plan.k = split_operand(plan, k->in, k->out.data, k->out.strides);
     plan.k.in_place = ck.in_place;
   }
-  auto outputs_clear_of_tables = [&](const TensorView& out, const std::string& name) {
+  auto outputs_clear_of_tables = [&](const TensorView& out, const char* name) {
     if (t_metadata_only) return;
     if (!table_free) {
       require_disjoint(out, name, cos, "cos");
@@ -629,8 +647,8 @@ BackwardPlan plan_backward(const Rotation& rotation, const Tables& tables,
       if (!is_floating(d->dtype))
         fail(Status::invalid_argument, name + ".dtype", "float32, float16 or bfloat16",
              dtype_name(d->dtype));
-      check_strides(name, *d);
-      check_data_pointer(name, d->data, d->dtype, d->numel());
+      check_strides(name.c_str(), *d);
+      check_data_pointer(name.c_str(), d->data, d->dtype, d->numel());
       if (!has_distinct_elements(*d))
         fail(Status::invalid_argument, name, "strides that give every element its own address",
              "strides " + dims_string(d->strides, d->rank));
@@ -905,6 +923,79 @@ void prefetch_cache_rows(const ForwardPlan& plan, const int64_t* outer) {
   for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(rows.sin + b);
 }
 
+namespace {
+
+// One cache row of dtype D (unit lane stride) spread over rd lanes as load_table_row spreads it,
+// sin negated when asked (flip: the sign bit, as `-x` flips it) and the signs folded in, in one
+// pass: out[j] = bits(value of lane j) ^ signs[j] ^ flip. Pure data movement, so the bits are
+// those of load_table_row + fold_signs; a decode step spent most of its table time in their
+// three passes over a scratch row.
+template <DType D, bool kSigns>
+void spread_row_typed(const char* row, TableWidth width, int64_t w, int64_t rd,
+                      const std::uint32_t* __restrict signs, std::uint32_t flip,
+                      std::uint32_t* __restrict out) {
+  const auto* __restrict p = reinterpret_cast<const typename Storage<D>::type*>(row);
+  auto value = [&](int64_t c) -> std::uint32_t {
+    if constexpr (D == DType::f32) {
+      std::uint32_t u;
+      std::memcpy(&u, p + c, 4);
+      return u;
+    } else {
+      return float_bits(load_float<D>(p + c));
+    }
+  };
+  auto sign = [&](int64_t j) -> std::uint32_t {
+    if constexpr (kSigns)
+      return signs[j] ^ flip;
+    else
+      return flip;
+  };
+  switch (width) {
+    case TableWidth::full:
+      for (int64_t j = 0; j < rd; ++j) out[j] = value(j) ^ sign(j);
+      return;
+    case TableWidth::halves:  // rd == 2 w
+      for (int64_t c = 0; c < w; ++c) {
+        const std::uint32_t v = value(c);
+        out[c] = v ^ sign(c);
+        out[w + c] = v ^ sign(w + c);
+      }
+      return;
+    case TableWidth::pairs:  // rd == 2 w
+      for (int64_t c = 0; c < w; ++c) {
+        const std::uint32_t v = value(c);
+        out[2 * c] = v ^ sign(2 * c);
+        out[2 * c + 1] = v ^ sign(2 * c + 1);
+      }
+      return;
+  }
+}
+
+template <bool kSigns>
+void spread_row(const char* row, DType dtype, TableWidth width, int64_t w, int64_t rd,
+                const std::uint32_t* signs, std::uint32_t flip, float* out) {
+  // The table buffers are only ever written through these 32-bit lanes before the kernels read
+  // them as floats.
+  auto* dst = reinterpret_cast<std::uint32_t*>(out);
+  switch (dtype) {
+    case DType::f32:
+      return spread_row_typed<DType::f32, kSigns>(row, width, w, rd, signs, flip, dst);
+    case DType::f16:
+      return spread_row_typed<DType::f16, kSigns>(row, width, w, rd, signs, flip, dst);
+    default: return spread_row_typed<DType::bf16, kSigns>(row, width, w, rd, signs, flip, dst);
+  }
+}
+
+void spread_row(const char* row, DType dtype, TableWidth width, int64_t w, int64_t rd,
+                const std::uint32_t* signs, std::uint32_t flip, float* out) {
+  if (signs)
+    spread_row<true>(row, dtype, width, w, rd, signs, flip, out);
+  else
+    spread_row<false>(row, dtype, width, w, rd, signs, flip, out);
+}
+
+}  // namespace
+
 void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens, int64_t stride,
                         kernels::TableLayout layout, float* cos, float* sin, float* row_cos,
                         float* row_sin) {
@@ -927,15 +1018,34 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       outer[last] = first + i;
       prefetch_cache_rows(plan, outer);
     }
+  // Rows gathered by one position per token from a float cache with unit lane strides (vLLM's
+  // cos_sin_cache): read, spread, negated and sign-folded in one pass (spread_row).
+  const bool spread = gather && t.cos_lane == 1 && t.sin_lane == 1 && is_floating(t.dtype_cos) &&
+                      is_floating(t.dtype_sin) &&
+                      (t.width == TableWidth::full || rd == 2 * t.columns);
+  const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
   for (int64_t i = 0; i < tokens; ++i) {
     if (gather && i + kAhead < tokens) {
       outer[last] = first + i + kAhead;
       prefetch_cache_rows(plan, outer);
     }
     if (last >= 0) outer[last] = first + i;
-    const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
     float* c = cos + i * stride;
     float* s = sin + i * stride;
+    if (spread) {
+      const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
+      const int64_t w = t.columns;
+      spread_row(rows.cos, t.dtype_cos, t.width, w, rd, cos_bits, 0u, even_odd ? row_cos : c);
+      spread_row(rows.sin, t.dtype_sin, t.width, w, rd, sin_bits, sin_flip, even_odd ? row_sin : s);
+      if (even_odd) {
+        split_even_odd_16(row_cos, rd, c);
+        split_even_odd_16(row_sin, rd, s);
+      }
+      std::fill(c + rd, c + stride, 0.0f);
+      std::fill(s + rd, s + stride, 0.0f);
+      continue;
+    }
+    const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
     if (even_odd) {
       // Through the scratch rows (load_table_row may have returned them: fold in place first).
       fold_signs(row.cos, cos_bits, rd, row_cos);
@@ -969,7 +1079,8 @@ BasicView<P> narrowed_view(BasicView<P> v, int64_t lane_offset) {
 
 NarrowedOperand narrow_operand(const std::string& name, const Operand& op, int64_t head_dim,
                                int64_t lane_offset, bool written) {
-  const CheckedOperand c = check_operand(name, op, head_dim, written);
+  const std::string out = name + "_out";
+  const CheckedOperand c = check_operand(name.c_str(), out.c_str(), op, head_dim, written);
   NarrowedOperand n;
   n.operand.in = narrowed_view(op.in, lane_offset);
   if (written) n.operand.out = narrowed_view(op.out, lane_offset);
@@ -979,13 +1090,13 @@ NarrowedOperand narrow_operand(const std::string& name, const Operand& op, int64
 
 ConstTensorView narrow_lanes(const std::string& name, const ConstTensorView& v, int64_t head_dim,
                              int64_t lane_offset) {
-  check_tensor(name, v, head_dim);
+  check_tensor(name.c_str(), v, head_dim);
   return narrowed_view(v, lane_offset);
 }
 
 TensorView narrow_lanes(const std::string& name, const TensorView& v, int64_t head_dim,
                         int64_t lane_offset) {
-  check_tensor(name, as_const(v), head_dim);
+  check_tensor(name.c_str(), as_const(v), head_dim);
   return narrowed_view(v, lane_offset);
 }
 
@@ -1009,11 +1120,11 @@ void copy_leading_lanes(const ConstTensorView& in, const TensorView& out, int64_
 
 void require_disjoint_views(const TensorView& out, const std::string& out_name,
                             const ConstTensorView& in, const std::string& in_name) {
-  require_disjoint(out, out_name, in, in_name);
+  require_disjoint(out, out_name.c_str(), in, in_name.c_str());
 }
 
 void check_head_tensor(const std::string& name, const ConstTensorView& v, int64_t head_dim) {
-  check_tensor(name, v, head_dim);
+  check_tensor(name.c_str(), v, head_dim);
 }
 
 void require_distinct_elements(const std::string& name, const TensorView& v) {

@@ -276,6 +276,12 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   ex.large_output = plan.bytes_moved / 2 > detail::cache_sizes().l3_per_thread * 3 / 4;
   ex.table_values = detail::table_values(plan);
 
+  if (threads <= 1 || ex.items() == 1) {
+    // detail::parallel_for would run it inline: no counter (a lock and an allocation) needed.
+    ex.run(0, ex.items());
+    t_last_call_threads = 1;
+    return;
+  }
   ThreadCounter counter;
   detail::parallel_for(options, ex.items(), threads, [&](std::int64_t b, std::int64_t e) {
     counter.note();

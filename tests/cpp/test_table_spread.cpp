@@ -1,0 +1,157 @@
+// prepare_table_tile's one-pass path for cache rows gathered by position (unit lane strides: read,
+// spread over the lanes, sine negated, signs folded in one loop) against its general path
+// (load_table_row, then fold_signs), which a cache with a lane stride of 2 takes: the same values
+// must give the same table tile bit for bit, for every cache dtype, width, rotation, inverse and
+// lane layout, with NaN payloads, infinities, signed zeros and subnormals among the values.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "core/convert.hpp"
+#include "core/plan.hpp"
+#include "rome/rope.hpp"
+
+namespace {
+
+using rome::DType;
+using rome::TableWidth;
+
+struct Cache {
+  std::vector<std::uint8_t> bytes;  // [rows, 2 * columns] elements: lane stride 2 view reads even
+  std::int64_t rows = 0, columns = 0;
+};
+
+std::uint32_t special_bits(std::mt19937& rng, int i) {
+  switch (i % 11) {
+    case 0: return 0x7fc12345u;  // quiet NaN with a payload
+    case 1: return 0xff812345u;  // signalling NaN, negative
+    case 2: return 0x80000000u;  // -0
+    case 3: return 0x7f800000u;  // inf
+    case 4: return 0x00000123u;  // fp32 subnormal
+    default: {
+      std::uniform_real_distribution<float> d(-1.5f, 1.5f);
+      return rome::detail::float_bits(d(rng));
+    }
+  }
+}
+
+// Values of the contiguous cache at element (r, c) also at (r, 2c) of a twice as wide one.
+void fill(Cache& contiguous, Cache& strided, DType dtype, std::int64_t rows, std::int64_t columns,
+          unsigned seed) {
+  std::mt19937 rng(seed);
+  const int es = rome::dtype_size(dtype);
+  contiguous.rows = strided.rows = rows;
+  contiguous.columns = strided.columns = columns;
+  contiguous.bytes.assign(std::size_t(rows * columns * es), 0);
+  strided.bytes.assign(std::size_t(rows * columns * 2 * es), 0xab);
+  for (std::int64_t e = 0; e < rows * columns; ++e) {
+    const std::uint32_t bits = special_bits(rng, int(e));
+    std::uint8_t raw[4];
+    if (dtype == DType::f32) {
+      std::memcpy(raw, &bits, 4);
+    } else {
+      // 16-bit patterns: the high half (bf16) or a few fp16 specials (0x7e01 NaN, 0x8000, 0x0001
+      // subnormal) among random halves.
+      std::uint16_t h = std::uint16_t(bits >> 16);
+      if (dtype == DType::f16 && e % 11 == 4) h = 0x0001;
+      if (dtype == DType::f16 && e % 11 == 0) h = 0x7e01;
+      std::memcpy(raw, &h, 2);
+    }
+    std::memcpy(&contiguous.bytes[std::size_t(e * es)], raw, std::size_t(es));
+    std::memcpy(&strided.bytes[std::size_t(2 * e * es)], raw, std::size_t(es));
+  }
+}
+
+struct Tile {
+  std::vector<float> cos, sin;
+};
+
+Tile tile_of(const rome::Rotation& rotation, const rome::Tables& tables,
+             std::vector<std::uint16_t>& x, std::int64_t tokens, std::int64_t heads,
+             rome::kernels::TableLayout layout) {
+  const std::int64_t hd = rotation.head_dim();
+  const auto view = rome::make_view<void*>(x.data(), DType::bf16, {tokens, heads, hd});
+  const rome::Operand op{rome::as_const(view), view};
+  const rome::detail::ForwardPlan plan = rome::detail::plan_forward(rotation, tables, op, nullptr);
+  const std::int64_t rd = rotation.rotary_dim(), stride = (rd + 15) / 16 * 16;
+  Tile t;
+  t.cos.assign(std::size_t(tokens * stride), -7.0f);
+  t.sin.assign(std::size_t(tokens * stride), -7.0f);
+  std::vector<float> row_cos(static_cast<std::size_t>(stride)),
+      row_sin(static_cast<std::size_t>(stride));
+  std::int64_t outer[rome::kMaxRank] = {};
+  rome::detail::prepare_table_tile(plan, outer, tokens, stride, layout, t.cos.data(), t.sin.data(),
+                                   row_cos.data(), row_sin.data());
+  return t;
+}
+
+bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
+  return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
+}
+
+}  // namespace
+
+TEST(TableSpread, GatheredRowsMatchGeneralPathBitForBit) {
+  struct Named {
+    std::string name;
+    rome::Rotation rotation;
+  };
+  std::vector<float> dense_b(48 * 48, 0.0f);
+  for (int i = 0; i < 48; ++i) dense_b[std::size_t(i * 48 + (47 - i))] = i % 3 ? 0.5f : -2.0f;
+  const std::vector<Named> rotations = {
+      {"half64", rome::Rotation::half(64)},
+      {"interleave64", rome::Rotation::interleave(64)},
+      {"quarter64", rome::Rotation::quarter(64)},
+      {"interleave_half64", rome::Rotation::interleave_half(64)},
+      {"half48", rome::Rotation::half(48)},
+      {"dense48", rome::Rotation::dense(dense_b, 48)},
+  };
+  const std::int64_t tokens = 11, heads = 3, rows = 23;
+  int cases = 0;
+  for (const Named& r : rotations) {
+    const std::int64_t rd = r.rotation.rotary_dim();
+    std::vector<std::uint16_t> x(std::size_t(tokens * heads * r.rotation.head_dim()), 0x3f80);
+    for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+      for (TableWidth width : {TableWidth::full, TableWidth::halves, TableWidth::pairs})
+        for (bool inverse : {false, true})
+          for (auto layout :
+               {rome::kernels::TableLayout::natural, rome::kernels::TableLayout::even_odd_16}) {
+            if (layout == rome::kernels::TableLayout::even_odd_16 && rd % 16 != 0) continue;
+            const std::int64_t columns = width == TableWidth::full ? rd : rd / 2;
+            Cache cc, cs, sc, ss;
+            fill(cc, cs, dtype, rows, columns, 17u + unsigned(cases));
+            fill(sc, ss, dtype, rows, columns, 9001u + unsigned(cases));
+            std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
+            for (std::int64_t i = 0; i < tokens; ++i)
+              positions[std::size_t(i)] = (i * 7 + 3) % rows;
+            auto tables_of = [&](const Cache& c, const Cache& s, bool strided) {
+              rome::Tables t;
+              const std::int64_t lane = strided ? 2 : 1;
+              t.cos = rome::make_view<const void*>(c.bytes.data(), dtype, {rows, columns},
+                                                   {columns * lane, lane});
+              t.sin = rome::make_view<const void*>(s.bytes.data(), dtype, {rows, columns},
+                                                   {columns * lane, lane});
+              t.positions =
+                  rome::make_view<const void*>(positions.data(), DType::i64, {tokens, 1}, {1, 0});
+              t.width = width;
+              t.inverse = inverse;
+              return t;
+            };
+            const std::string what =
+                r.name + " " + rome::dtype_name(dtype) + " width " + std::to_string(int(width)) +
+                " inverse " + std::to_string(inverse) + " layout " + std::to_string(int(layout));
+            const Tile fast =
+                tile_of(r.rotation, tables_of(cc, sc, false), x, tokens, heads, layout);
+            const Tile general =
+                tile_of(r.rotation, tables_of(cs, ss, true), x, tokens, heads, layout);
+            EXPECT_TRUE(same_bits(fast.cos, general.cos)) << what;
+            EXPECT_TRUE(same_bits(fast.sin, general.sin)) << what;
+            ++cases;
+          }
+  }
+  EXPECT_GT(cases, 150);
+}
