@@ -186,12 +186,9 @@ struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
 // lanes before the row or end up to 7 lanes past it; those lanes are never selected).
 template <typename L>
 ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
-  float* X = w.X + kW;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    for (std::int64_t v = 0; v < w.V; ++v)
-      _mm256_store_ps(X + kW * v, L::load(row.x + kW * v, lanes_of(w, v)));
-    const bool stream = streaming_row<L>(w, row.y);
+  float* const X = w.X + kW;
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    widen_row<L>(w, row.x, X);
     for (std::int64_t v = 0; v < w.V; ++v) {
       const std::int32_t* d = w.shift_offset + kMaxShifts * v;
       const __m256* m = w.shift_mask + kMaxShifts * v;
@@ -205,8 +202,7 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
       }
       put<L>(w, stream, row.y, v, combine<L>(w, _mm256_load_ps(at), xb, row, v));
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 template <typename L>
@@ -218,13 +214,11 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
     return _mm256_blendv_ps(_mm256_loadu_ps(at + d[0]), _mm256_loadu_ps(at + d[1]),
                             w.shift_mask[kMaxShifts * v + 1]);
   };
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     for (std::int64_t j = 0; j < kW * w.V; j += 2 * kW) {  // two vectors per step (V is even)
       _mm256_store_ps(X + j, L::load(row.x + j));
       _mm256_store_ps(X + j + kW, L::load(row.x + j + kW));
     }
-    const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t v = 0; v < w.V; v += 2) {
       const __m256 a0 = _mm256_load_ps(X + kW * v), a1 = _mm256_load_ps(X + kW * (v + 1));
       const __m256 b0 = b_lanes(v), b1 = b_lanes(v + 1);
@@ -261,8 +255,7 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
         put<L>(w, stream, row.y, v + 1, out1);
       }
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // bf16 rows, 16 lanes at a time without any permute: the 16 values of one 32-byte load split
@@ -321,14 +314,12 @@ ROME_INLINE void row_bf16_pairs(std::int64_t chunks, const Row<L>& row) {
 template <typename L>
 ROME_INLINE void rows_bf16_pairs(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    if (streaming_row<L>(w, row.y))
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    if (stream)
       row_bf16_pairs<L, true>(chunks, row);
     else
       row_bf16_pairs<L, false>(chunks, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // Chunks c and c + K (lanes 16c.. and 16(c + K)..) swap roles, for c in the first K chunks of
@@ -350,14 +341,12 @@ ROME_INLINE void row_bf16_xor(std::int64_t chunks, std::int64_t K, const Row<L>&
 template <typename L>
 ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    if (streaming_row<L>(w, row.y))
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    if (stream)
       row_bf16_xor<L, true>(chunks, K, row);
     else
       row_bf16_xor<L, false>(chunks, K, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
@@ -366,12 +355,10 @@ ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
 template <typename L>
 ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
   const std::int64_t H = w.V / 2;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     const bool in_place = static_cast<const void*>(row.x) == static_cast<const void*>(row.y);
     if (in_place)
       for (std::int64_t v = 0; v < w.V; ++v) _mm256_store_ps(w.X + kW * v, L::load(row.x + kW * v));
-    const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t u = 0; u < H; ++u) {
       const std::int64_t at = 2 * kW * u;
       const EvenOdd eo =
@@ -385,8 +372,7 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
       put<L>(w, stream, row.y, u, lo);
       put<L>(w, stream, row.y, H + u, hi);
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // Whether bf16 rows of this kind run 16 lanes at a time on even/odd tables.

@@ -153,60 +153,54 @@ ROME_INLINE void store_row(const Work& w, typename L::T* y, const __m512* out) {
 // ---------------------------------------------------------------------------------------------
 // Row loops of the rotary dims kept in registers (VC vectors)
 
+// The two sources of an output vector: xa (times cos) and xb (times sin).
+struct Sources {
+  __m512 a, b;
+};
+
+// Every output vector v is the epilogue of sources(in, x, v), `in` holding the row when kLoadRow;
+// the row is stored only after all of it is computed, so in place is safe.
+template <typename L, int VC, bool kLoadRow, class SourcesOf>
+ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf sources) {
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool) ROME_INLINE_LAMBDA {
+    __m512 in[VC], out[VC];
+    if constexpr (kLoadRow) {
+#pragma GCC unroll 16
+      for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
+    }
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) {
+      const Sources ab = sources(in, row.x, v);
+      out[v] = combine<L>(w, ab.a, ab.b, row, v);
+    }
+    store_row<L, VC>(w, row.y, out);
+  });
+}
+
 // pairs / local: each output vector from its own input vector.
 template <typename L, int VC, bool kPairs>
 ROME_INLINE void rows_local_fixed(const Work& w, const ForwardTile& tile) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    __m512 out[VC];
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) {
-      const __m512 xv = L::load(row.x + kW * v);
-      const __m512 xb = kPairs ? Avx512::swap_pairs(xv) : Avx512::permute(xv, w.idx[v], w.mask[v]);
-      out[v] = combine<L>(w, xv, xb, row, v);
-    }
-    store_row<L, VC>(w, row.y, out);
-    pass_through<L>(w, row.x, row.y);
-  }
+  rows_fixed<L, VC, false>(w, tile, [&](const __m512*, const typename L::T* x, int v) {
+    const __m512 xv = L::load(x + kW * v);
+    return Sources{xv, kPairs ? Avx512::swap_pairs(xv) : Avx512::permute(xv, w.idx[v], w.mask[v])};
+  });
 }
 
-// half / quarter move with the rotary dim known: output vector v is input vector v ^ K.
+// half / quarter move: output vector v is input vector v ^ K.
 template <typename L, int VC, int K>
 ROME_INLINE void rows_xor_move_fixed(const Work& w, const ForwardTile& tile) {
-  using T = typename L::T;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const T* x = row.x;
-    T* y = row.y;
-    __m512 in[VC], out[VC];
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) out[v] = combine<L>(w, in[v], in[v ^ K], row, v);
-    store_row<L, VC>(w, y, out);
-    pass_through<L>(w, x, y);
-  }
+  rows_fixed<L, VC, true>(w, tile, [&](const __m512* in, const typename L::T*, int v) {
+    return Sources{in[v], in[v ^ K]};
+  });
 }
 
-// single / move with the rotary dim known: sources re-read from x; the row is stored after all
-// of it is computed, so in place is safe.
+// single / move: sources re-read from x.
 template <typename L, int VC, bool kMove>
 ROME_INLINE void rows_single_fixed(const Work& w, const ForwardTile& tile) {
-  using T = typename L::T;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const T* x = row.x;
-    T* y = row.y;
-    __m512 out[VC];
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) {
-      const __m512 xs = L::load(x + w.src[v]);
-      const __m512 xb = kMove ? xs : _mm512_maskz_permutexvar_ps(w.mask[v], w.idx[v], xs);
-      out[v] = combine<L>(w, L::load(x + kW * v), xb, row, v);
-    }
-    store_row<L, VC>(w, y, out);
-    pass_through<L>(w, x, y);
-  }
+  rows_fixed<L, VC, false>(w, tile, [&](const __m512*, const typename L::T* x, int v) {
+    const __m512 xs = L::load(x + w.src[v]);
+    return Sources{L::load(x + kW * v), kMove ? xs : Avx512::permute(xs, w.idx[v], w.mask[v])};
+  });
 }
 
 // One output vector of x·P from the row in registers, P given per source pair.
@@ -221,29 +215,17 @@ ROME_INLINE __m512 permute_pairs(const __m512* in, const __m512i* idx, const __m
   return acc;
 }
 
-// general with the rotary dim known: the row stays in registers.
+// general: vpermt2ps over the row in registers, by the pair tables.
 template <typename L, int VC>
 ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
-  using T = typename L::T;
   const bool a_identity = w.r->a_identity;
   constexpr int P = VC / 2;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const T* x = row.x;
-    T* y = row.y;
-    __m512 in[VC], out[VC];
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) in[v] = L::load(x + kW * v);
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) {
-      const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
-      const __m512 xa =
-          a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P);
-      out[v] = combine<L>(w, xa, xb, row, v);
-    }
-    store_row<L, VC>(w, y, out);
-    pass_through<L>(w, x, y);
-  }
+  rows_fixed<L, VC, true>(w, tile, [&](const __m512* in, const typename L::T*, int v) {
+    const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
+    return Sources{
+        a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P),
+        xb};
+  });
 }
 
 template <typename L, int VC>

@@ -31,6 +31,9 @@
 #include "../kernel_api.hpp"
 #include "../kernel_support.hpp"
 
+// A lambda always inlined, as ROME_INLINE functions are (row bodies of for_rows).
+#define ROME_INLINE_LAMBDA __attribute__((always_inline))
+
 namespace rome::kernels::permute {
 namespace {
 
@@ -150,6 +153,25 @@ ROME_INLINE void put(const W& w, bool stream, typename L::T* y, std::int64_t v, 
     L::store(y + W::I::kLanes * v, out, lanes_of(w, v));
 }
 
+// Runs body(row, stream) on every row of the tile (stream: streaming_row), then copies the row's
+// pass-through lanes.
+template <class L, class W, class Body>
+ROME_INLINE void for_rows(const W& w, const ForwardTile& tile, Body body) {
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(w, tile, n);
+    body(row, streaming_row<L>(w, row.y));
+    pass_through<L>(w, row.x, row.y);
+  }
+}
+
+// The row x widened into the fp32 buffer X.
+template <class L, class W>
+ROME_INLINE void widen_row(const W& w, const typename L::T* x, float* X) {
+  constexpr int kW = W::I::kLanes;
+  for (std::int64_t v = 0; v < w.V; ++v)
+    W::I::store(X + kW * v, L::load(x + kW * v, lanes_of(w, v)));
+}
+
 // ---------------------------------------------------------------------------------------------
 // Row loops of any rotary dim
 
@@ -158,16 +180,13 @@ template <class L, bool kPairs, class W>
 ROME_INLINE void rows_local(const W& w, const ForwardTile& tile) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const bool stream = streaming_row<L>(w, row.y);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     for (std::int64_t v = 0; v < w.V; ++v) {
       const auto xv = L::load(row.x + kW * v, lanes_of(w, v));
       const auto xb = kPairs ? I::swap_pairs(xv) : I::permute(xv, w.idx[v], w.mask[v]);
       put<L>(w, stream, row.y, v, combine<L>(w, xv, xb, row, v));
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // half / quarter move: vectors v and v ^ K swap roles; both are read before either is written.
@@ -176,9 +195,7 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
   const std::int64_t K = w.xor_k;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const bool stream = streaming_row<L>(w, row.y);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     for (std::int64_t v0 = 0; v0 < w.V; v0 += 2 * K) {
       for (std::int64_t v = v0; v < v0 + K; ++v) {
         const std::int64_t u = v + K;
@@ -191,21 +208,18 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
         put<L>(w, stream, row.y, u, out_u);
       }
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // general (and single / move in place): the row is widened into X first.
 template <class L, class W>
-ROME_INLINE void row_general(const W& w, const Row<L>& row) {
+ROME_INLINE void row_general(const W& w, const Row<L>& row, bool stream) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
   const bool a_identity = w.r->a_identity;
   const typename I::GeneralPlan pa = I::general_plan(w, true), pb = I::general_plan(w, false);
-  float* X = w.X;
-  for (std::int64_t v = 0; v < w.V; ++v)
-    I::store(X + kW * v, L::load(row.x + kW * v, lanes_of(w, v)));
-  const bool stream = streaming_row<L>(w, row.y);
+  float* const X = w.X;
+  widen_row<L>(w, row.x, X);
   for (std::int64_t v = 0; v < w.V; ++v) {
     const auto xb = I::permute_plan(pb, v, X);
     const auto xa = a_identity ? I::load(X + kW * v) : I::permute_plan(pa, v, X);
@@ -215,10 +229,9 @@ ROME_INLINE void row_general(const W& w, const Row<L>& row) {
 
 // single / move out of place: sources read straight from x.
 template <class L, bool kMove, class W>
-ROME_INLINE void row_single(const W& w, const Row<L>& row) {
+ROME_INLINE void row_single(const W& w, const Row<L>& row, bool stream) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
-  const bool stream = streaming_row<L>(w, row.y);
   for (std::int64_t v = 0; v < w.V; ++v) {
     const auto xs = L::load(row.x + w.src[v], w.src_n[v]);
     const auto xb = kMove ? xs : I::permute(xs, w.idx[v], w.mask[v]);
@@ -229,23 +242,19 @@ ROME_INLINE void row_single(const W& w, const Row<L>& row) {
 
 template <class L, class W>
 ROME_INLINE void rows_general(const W& w, const ForwardTile& tile) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    row_general<L>(w, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    row_general<L>(w, row, stream);
+  });
 }
 
 template <class L, bool kMove, class W>
 ROME_INLINE void rows_single(const W& w, const ForwardTile& tile) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (static_cast<const void*>(row.x) == static_cast<const void*>(row.y))
-      row_general<L>(w, row);
+      row_general<L>(w, row, stream);
     else
-      row_single<L, kMove>(w, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+      row_single<L, kMove>(w, row, stream);
+  });
 }
 
 // ---------------------------------------------------------------------------------------------
