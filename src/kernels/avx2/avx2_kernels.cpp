@@ -12,11 +12,13 @@
 //  - general: vpermps (_mm256_permutevar8x32_ps) steps of the plan, blended into a zeroed
 //             accumulator;
 //  - bf16 rows of the pairs, half and quarter kinds go 16 lanes at a time on tables in even/odd
-//    order (TableLayout::even_odd_16): no permute, no pack.
-// The exact-product choice is a template parameter (RowLanes): the compensated epilogue runs
-// unguarded and is redone guarded only when a result is NaN, and bf16 narrows without its NaN case
-// where kernel_api.hpp's nan_results_low_bits_zero allows. bf16 is narrowed by integer
-// round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact).
+//    order (TableLayout::even_odd_16): no permute, no pack (8-lane bf16 vectors cost a vpmovzx
+//    to widen and a pack and a lane-crossing shuffle to narrow).
+// The exact-product choice is a template parameter (RowLanes); two outputs at a time
+// (epilogue_pair) run the compensated epilogue unguarded and redo it guarded only when a result
+// is NaN; bf16 narrows without its NaN case where kernel_api.hpp's nan_results_low_bits_zero
+// allows. bf16 is narrowed by integer round-to-nearest-even (NaN quietened, subnormals kept), fp16
+// by F16C (exact).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>

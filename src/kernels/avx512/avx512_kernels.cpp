@@ -4,10 +4,10 @@
 // The kernel is common/permute-inl.hpp over 16-lane traits: vpermps (_mm512_maskz_permutexvar_ps)
 // under a lane mask, masked loads/stores for tails, and for the general kind vpermt2ps
 // (_mm512_permutex2var_ps) over pairs of input vectors, blended under lane masks. Here is what
-// only AVX-512 has: rotary dims 64, 128 and 256 keep the whole row in registers (32 zmm hold it,
-// 16 ymm could not), every kind of them a loop of its own over VC vectors, the general one over
-// pair tables built per rotation; those rows are stored after all of them is computed, so in
-// place is safe.
+// only AVX-512 has: rotary dims 64, 128 and 256 keep the whole row in registers (up to 16 of the
+// 32 zmm), every kind through one loop over VC vectors, the general one by vpermt2ps over pair
+// tables built per rotation (3D 44+44+40 and interleave_half among them: AVX2 has own kinds for
+// those); such a row is stored after all of it is computed, so in place is safe.
 //
 // bf16 is narrowed with vcvtne2ps2bf16 / vcvtneps2bf16 when the CPU has AVX512-BF16 (they flush
 // subnormals, so a row holding one takes the integer round-to-nearest-even path), else with
@@ -180,7 +180,8 @@ ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf so
 // pairs / local: each output vector from its own input vector.
 template <typename L, int VC, bool kPairs>
 ROME_INLINE void rows_local_fixed(const Work& w, const ForwardTile& tile) {
-  rows_fixed<L, VC, false>(w, tile, [&](const __m512*, const typename L::T* x, int v) {
+  rows_fixed<L, VC,
+             false>(w, tile, [&](const __m512*, const typename L::T* x, int v) ROME_INLINE_LAMBDA {
     const __m512 xv = L::load(x + kW * v);
     return Sources{xv, kPairs ? Avx512::swap_pairs(xv) : Avx512::permute(xv, w.idx[v], w.mask[v])};
   });
@@ -189,18 +190,20 @@ ROME_INLINE void rows_local_fixed(const Work& w, const ForwardTile& tile) {
 // half / quarter move: output vector v is input vector v ^ K.
 template <typename L, int VC, int K>
 ROME_INLINE void rows_xor_move_fixed(const Work& w, const ForwardTile& tile) {
-  rows_fixed<L, VC, true>(w, tile, [&](const __m512* in, const typename L::T*, int v) {
-    return Sources{in[v], in[v ^ K]};
-  });
+  rows_fixed<L, VC, true>(w, tile,
+                          [&](const __m512* in, const typename L::T*, int v) ROME_INLINE_LAMBDA {
+                            return Sources{in[v], in[v ^ K]};
+                          });
 }
 
 // single / move: sources re-read from x.
 template <typename L, int VC, bool kMove>
 ROME_INLINE void rows_single_fixed(const Work& w, const ForwardTile& tile) {
-  rows_fixed<L, VC, false>(w, tile, [&](const __m512*, const typename L::T* x, int v) {
-    const __m512 xs = L::load(x + w.src[v]);
-    return Sources{L::load(x + kW * v), kMove ? xs : Avx512::permute(xs, w.idx[v], w.mask[v])};
-  });
+  rows_fixed<L, VC, false>(
+      w, tile, [&](const __m512*, const typename L::T* x, int v) ROME_INLINE_LAMBDA {
+        const __m512 xs = L::load(x + w.src[v]);
+        return Sources{L::load(x + kW * v), kMove ? xs : Avx512::permute(xs, w.idx[v], w.mask[v])};
+      });
 }
 
 // One output vector of x·P from the row in registers, P given per source pair.
@@ -220,12 +223,13 @@ template <typename L, int VC>
 ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
   const bool a_identity = w.r->a_identity;
   constexpr int P = VC / 2;
-  rows_fixed<L, VC, true>(w, tile, [&](const __m512* in, const typename L::T*, int v) {
-    const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
-    return Sources{
-        a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P),
-        xb};
-  });
+  rows_fixed<L, VC, true>(
+      w, tile, [&](const __m512* in, const typename L::T*, int v) ROME_INLINE_LAMBDA {
+        const __m512 xb = permute_pairs<VC>(in, w.pair_idx_b + v * P, w.pair_mask_b + v * P);
+        return Sources{
+            a_identity ? in[v] : permute_pairs<VC>(in, w.pair_idx_a + v * P, w.pair_mask_a + v * P),
+            xb};
+      });
 }
 
 template <typename L, int VC>

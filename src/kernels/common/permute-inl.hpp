@@ -100,9 +100,9 @@ Work<P> work_for(const RotationData& r) {
 template <class L>
 using Row = TileRow<typename L::T>;
 
-// Also asks for the x bytes 4 KiB further along the stream: one core stalled on x's loads with
-// only the hardware prefetchers (AVX-512, seed tensor in place, 1 thread: 32.2 -> 27.7 ms;
-// BENCHMARKS.md). An address, not a row ahead in the tile: token-major calls hold one token's
+// Row n, and a prefetch of the x bytes 4 KiB further along the stream: one core stalled on x's
+// loads with only the hardware prefetchers (AVX-512, seed tensor in place, 1 thread: 32.2 -> 27.7
+// ms; BENCHMARKS.md). An address, not a row ahead in the tile: token-major calls hold one token's
 // heads, and the next token's rows follow them. Prefetches never fault, so the address may lie
 // past the tensor. Rows over 1 KiB are long runs the prefetchers follow alone.
 template <class L, class W>
