@@ -510,7 +510,7 @@ TableLayout table_layout(const RotationData& r, DType dtype) {
 
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
-  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) {
+  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) ROME_INLINE_LAMBDA {
     if constexpr (D == DType::f32) {
       dispatch_rows<RowLanes<D, false, false>>(kind, w, tile);
     } else {

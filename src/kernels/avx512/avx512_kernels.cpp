@@ -318,7 +318,7 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
 template <DType D, typename N>
 ROME_INLINE void forward_impl(const RotationData& r, const ForwardTile& tile) {
   using L = Lanes<D, N>;
-  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) {
+  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) ROME_INLINE_LAMBDA {
     switch (w.rd) {
       case 64: return dispatch_rows<L, 4>(kind, w, tile);
       case 128: return dispatch_rows<L, 8>(kind, w, tile);

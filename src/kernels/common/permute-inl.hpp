@@ -20,8 +20,8 @@
 // Traits I: F (kLanes fp32 lanes); Count (lanes of a vector: a count or a mask) with kAll,
 // lanes(n) (the first n) and bits(Count); Index / Mask (a vector's permute index and the lanes
 // it fills) with index(const int32_t*) and mask(uint32_t); load / store (aligned fp32);
-// combine, combine_exact_product, epilogue_pair; swap_pairs, permute(x, Index, Mask);
-// GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch, copy_bytes,
+// combine, combine_exact_product, epilogue_pair (rows_xor_move only); swap_pairs, permute(x, Index,
+// Mask); GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch, copy_bytes,
 // fence, equal_bytes. Storage-type lanes L: T, load / store (whole or Count lanes), stream.
 #pragma once
 
