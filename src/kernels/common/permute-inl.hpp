@@ -385,8 +385,11 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
             ? stack
             : static_cast<float*>(t_state<P>.scratch.get(std::size_t(floats) * sizeof(float)));
   static_cast<P&>(w) = prepared_plan(r, w, build);
-  rows(w.kind, w);
-  if (w.stream) I::fence();
+  // A copy whose address no out-of-line call sees: the row loops' stores cannot alias it, so its
+  // fields stay in registers (w went to build).
+  const Work<P> work = w;
+  rows(work.kind, work);
+  if (work.stream) I::fence();
 }
 
 }  // namespace
