@@ -164,12 +164,13 @@ ROME_INLINE void for_rows(const W& w, const ForwardTile& tile, Body body) {
   }
 }
 
-// The row x widened into the fp32 buffer X.
+// The row x widened into the fp32 buffer X (whole vectors, then the last one by its lanes).
 template <class L, class W>
 ROME_INLINE void widen_row(const W& w, const typename L::T* x, float* X) {
   constexpr int kW = W::I::kLanes;
-  for (std::int64_t v = 0; v < w.V; ++v)
-    W::I::store(X + kW * v, L::load(x + kW * v, lanes_of(w, v)));
+  const std::int64_t last = w.V - 1;
+  for (std::int64_t v = 0; v < last; ++v) W::I::store(X + kW * v, L::load(x + kW * v));
+  W::I::store(X + kW * last, L::load(x + kW * last, w.tail));
 }
 
 // ---------------------------------------------------------------------------------------------
