@@ -1,31 +1,24 @@
 // AVX2 + FMA + F16C kernels: signed-permutation rotations as in-register permutes.
 //
-// The core hands over tiles of rows with their table rows, the signs of A and B already folded
-// in ((±x)·c == x·(±c) and fma(±x, s, t) == fma(x, ±s, t) bit for bit). Plan B is classified
-// once per rotation (cached per thread):
-//  - pairs:   interleave: every vector swaps its lane pairs (vpermilps);
-//  - local:   every output vector permutes its own input vector (vpermps + blend);
-//  - half / quarter move: output vector v is input vector v ^ K; the two vectors of a pair are
-//             read before either is written (in place safe), no permute;
-//  - single / move: every output vector permutes (or is) one input vector, read straight from x
-//             (out of place);
+// The kernel is common/permute-inl.hpp over 8-lane traits (vpermps with a blend mask, masked
+// loads/stores for fp32 tails, a staging buffer for 16-bit ones). Here is what only AVX2 has:
+// the kinds that replace AVX-512's two-source permutes (vpermt2ps), and a bf16 path:
 //  - deinterleave: interleave_half (DeepSeek MLA): output vectors u and V/2 + u are the even and
 //             the odd lanes of input vectors 2u and 2u + 1 (two shuffles, two lane permutes);
 //  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
 //             widened into an fp32 buffer (block diagonals such as 44+44+40); shifted_two when
 //             two loads always do (every half-block at least 8 lanes): no branches, two vectors
 //             per step, bf16 narrowed and packed as a pair;
-//  - general (and single / move in place): the row is widened into an fp32 buffer first and
-//             every output vector is built by vpermps (_mm256_permutevar8x32_ps) steps of the
-//             plan, blended into a zeroed accumulator.
-// bf16 rows of the pairs, half and quarter kinds go 16 lanes at a time on tables in even/odd
-// order (TableLayout::even_odd_16): no permute, no pack. The epilogue is avx2::combine
-// (combine_lane's compensated xa·c + xb·s, operation for operation), or one fma where xa·c is exact
-// (combine_exact_product; kernel_api.hpp's exact_products), then one rounding to the storage type,
-// so every bit matches the scalar kernel. Rows whose rotary_dim is not a multiple of 8 end with
-// masked loads/stores (fp32) or a staging buffer (16-bit types). bf16 is narrowed by integer
-// round-to-nearest-even (NaN quietened, subnormals kept), fp16 by F16C (exact). Non-temporal stores
-// only when the core asks (out of place, large outputs: rope_forward.cpp).
+//  - general: vpermps (_mm256_permutevar8x32_ps) steps of the plan, blended into a zeroed
+//             accumulator;
+//  - bf16 rows of the pairs, half and quarter kinds go 16 lanes at a time on tables in even/odd
+//    order (TableLayout::even_odd_16): no permute, no pack (8-lane bf16 vectors cost a vpmovzx
+//    to widen and a pack and a lane-crossing shuffle to narrow).
+// The exact-product choice is a template parameter (RowLanes); two outputs at a time
+// (epilogue_pair) run the compensated epilogue unguarded and redo it guarded only when a result
+// is NaN; bf16 narrows without its NaN case where kernel_api.hpp's nan_results_low_bits_zero
+// allows. bf16 is narrowed by integer round-to-nearest-even (NaN quietened, subnormals kept), fp16
+// by F16C (exact).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -34,6 +27,7 @@
 #include <vector>
 
 #include "../../core/convert.hpp"
+#include "../common/permute-inl.hpp"
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 #include "../kernel_support.hpp"
@@ -46,96 +40,11 @@ using detail::PermuteStep;
 using detail::RotationData;
 using detail::VectorPermutePlan;
 using namespace avx2;
-
-// ---------------------------------------------------------------------------------------------
-// Per-call state
-
-enum class Kind {
-  pairs,
-  local,
-  half_move,
-  quarter_move,
-  single,
-  move,
-  deinterleave,
-  shifted,
-  shifted_two,
-  general
-};
-
-// shifted: output vector v takes its B lanes from at most kMaxShifts unaligned loads of the
-// widened row, X[8v + d .. 8v + d + 8) for a few offsets d, blended by lane (block diagonals
-// whose blocks are not multiples of 8 lanes, e.g. 3D RoPE 44+44+40: a vector straddles at most
-// two half-blocks, so two or three loads replace a chain of cross-lane permutes).
-// shifted_two: every vector has a B source in every lane from at most two loads, the row is
-// whole vectors and an even number of them (3D RoPE 44+44+40 and 16+56+56: every half-block has
-// at least 8 lanes): two loads and one blend per vector, no branches, two vectors per step.
-constexpr int kMaxShifts = 3;
-
-struct Work {
-  const RotationData* r = nullptr;
-  std::int64_t rd = 0, hd = 0, V = 0;
-  int tail = kW;                 // lanes of the last vector
-  bool pass = false;             // copy lanes [rd, hd)
-  bool stream = false;           // non-temporal stores for 64-byte aligned rows
-  int xor_k = 0;                 // half / quarter move: output vector v is input vector v ^ xor_k
-  float* X = nullptr;            // the row in fp32 (general)
-  const __m256i* idx = nullptr;  // local / single: per output vector
-  const __m256* mask = nullptr;  // local / single: lanes with a source (blend mask)
-  const std::int32_t* src = nullptr;    // single / move: first element of the source vector
-  const std::int32_t* src_n = nullptr;  // lanes of the source vector that exist
-  const __m256* a_masks = nullptr;      // general: per plan step
-  const __m256* b_masks = nullptr;
-  const std::int32_t* shift_count = nullptr;   // shifted: per output vector
-  const std::int32_t* shift_offset = nullptr;  // shifted: kMaxShifts per output vector
-  const __m256* shift_mask = nullptr;
-};
-
-ROME_INLINE int lanes_of(const Work& w, std::int64_t v) {
-  return v == w.V - 1 ? w.tail : kW;
-}
-
-// The row loops' type parameter: the storage type's lanes and what the tile's values allow
-// (kernel_api.hpp: exact_products, nan_results_low_bits_zero).
-template <DType D, bool kExact, bool kNanLowBitsZero>
-struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
-                                     Lanes16<Bf16NanLowBitsZero>, Lanes<D>> {
-  static constexpr DType kDType = D;
-  static constexpr bool kExactProducts = kExact;
-  static constexpr bool kNarrowWithoutNanCheck = kNanLowBitsZero;
-};
-
-template <typename L>
-using Row = TileRow<typename L::T>;
-
-// Also asks for the x bytes 4 KiB further along the stream, as the AVX-512 kernel does (one
-// core stalls on x's loads with the hardware prefetchers alone; BENCHMARKS.md). Prefetches never
-// fault, so the address may lie past the tensor; rows over 1 KiB are runs the prefetchers follow.
-template <typename L>
-ROME_INLINE Row<L> row_of(const Work& w, const ForwardTile& tile, std::int64_t n) {
-  const std::int64_t bytes = w.hd * std::int64_t(sizeof(typename L::T));
-  if (bytes <= 1024) {
-    const char* next = static_cast<const char*>(tile.x_row(n)) + (tile.x_step < 0 ? -4096 : 4096);
-    for (std::int64_t b = 0; b < bytes; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
-  }
-  return tile_row<typename L::T>(tile, n);
-}
-
-template <typename L>
-ROME_INLINE void pass_through(const Work& w, const typename L::T* x, typename L::T* y) {
-  if (w.pass)
-    copy_bytes(y + w.rd, x + w.rd, (w.hd - w.rd) * std::int64_t(sizeof(typename L::T)), w.stream);
-}
+using namespace permute;
 
 template <bool kExact>
 ROME_INLINE __m256 epilogue(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   return kExact ? combine_exact_product(xa, c, xb, s) : avx2::combine(xa, c, xb, s);
-}
-
-template <typename L>
-ROME_INLINE __m256 combine(__m256 xa, __m256 xb, const Row<L>& row, std::int64_t v) {
-  return epilogue<L::kExactProducts>(xa, _mm256_load_ps(row.C + kW * v), xb,
-                                     _mm256_load_ps(row.S + kW * v));
 }
 
 // Two outputs of the epilogue. The compensated one runs without its guard and is redone with it
@@ -157,62 +66,6 @@ ROME_INLINE void epilogue_pair(__m256 a0, __m256 c0, __m256 b0, __m256 s0, __m25
   }
 }
 
-template <typename L>
-ROME_INLINE bool streaming_row(const Work& w, const typename L::T* y) {
-  return w.stream && (w.rd * std::int64_t(sizeof(typename L::T))) % 64 == 0 &&
-         (reinterpret_cast<std::uintptr_t>(y) & 63) == 0;
-}
-
-template <typename L>
-ROME_INLINE void put(const Work& w, bool stream, typename L::T* y, std::int64_t v, __m256 out) {
-  if (stream)
-    L::stream(y + kW * v, out);
-  else
-    L::store(y + kW * v, out, lanes_of(w, v));
-}
-
-// ---------------------------------------------------------------------------------------------
-// Row loops
-
-// pairs / local: each output vector from its own input vector.
-template <typename L, bool kPairs>
-ROME_INLINE void rows_local(const Work& w, const ForwardTile& tile) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const bool stream = streaming_row<L>(w, row.y);
-    for (std::int64_t v = 0; v < w.V; ++v) {
-      const __m256 xv = L::load(row.x + kW * v, lanes_of(w, v));
-      const __m256 xb = kPairs ? _mm256_permute_ps(xv, 0xb1)
-                               : _mm256_and_ps(_mm256_permutevar8x32_ps(xv, w.idx[v]), w.mask[v]);
-      put<L>(w, stream, row.y, v, combine<L>(xv, xb, row, v));
-    }
-    pass_through<L>(w, row.x, row.y);
-  }
-}
-
-// half / quarter move: vectors v and v ^ K swap roles; both are read before either is written.
-template <typename L>
-ROME_INLINE void rows_xor_move(const Work& w, const ForwardTile& tile) {
-  const std::int64_t K = w.xor_k;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    const bool stream = streaming_row<L>(w, row.y);
-    for (std::int64_t v0 = 0; v0 < w.V; v0 += 2 * K) {
-      for (std::int64_t v = v0; v < v0 + K; ++v) {
-        const std::int64_t u = v + K;
-        const __m256 a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
-        const __m256 cv = _mm256_load_ps(row.C + kW * v), sv = _mm256_load_ps(row.S + kW * v);
-        const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
-        __m256 out_v, out_u;
-        epilogue_pair<L::kExactProducts>(a, cv, b, sv, b, cu, a, su, out_v, out_u);
-        put<L>(w, stream, row.y, v, out_v);
-        put<L>(w, stream, row.y, u, out_u);
-      }
-    }
-    pass_through<L>(w, row.x, row.y);
-  }
-}
-
 // One output vector of x·P for a plan P, from the fp32 row X.
 ROME_INLINE __m256 permute_vector(const PermuteStep* steps, const __m256* masks, std::int32_t begin,
                                   std::int32_t end, const float* X) {
@@ -227,47 +80,117 @@ ROME_INLINE __m256 permute_vector(const PermuteStep* steps, const __m256* masks,
   return acc;
 }
 
-template <typename L>
-ROME_INLINE void row_general(const Work& w, const Row<L>& row) {
-  const typename L::T* x = row.x;
-  typename L::T* y = row.y;
-  const RotationData& r = *w.r;
-  const VectorPermutePlan& pa = r.avx2.a;
-  const VectorPermutePlan& pb = r.avx2.b;
-  float* X = w.X;
-  for (std::int64_t v = 0; v < w.V; ++v)
-    _mm256_store_ps(X + kW * v, L::load(x + kW * v, lanes_of(w, v)));
-  const bool stream = streaming_row<L>(w, y);
-  for (std::int64_t v = 0; v < w.V; ++v) {
-    const __m256 xb =
-        permute_vector(pb.steps.data(), w.b_masks, pb.step_begin[v], pb.step_begin[v + 1], X);
-    const __m256 xa = r.a_identity ? _mm256_load_ps(X + kW * v)
-                                   : permute_vector(pa.steps.data(), w.a_masks, pa.step_begin[v],
-                                                    pa.step_begin[v + 1], X);
-    put<L>(w, stream, y, v, combine<L>(xa, xb, row, v));
-  }
+ROME_INLINE __m256 blend_mask(std::uint32_t lanes) {
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  return _mm256_castsi256_ps(
+      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(lanes)), bits), bits));
 }
 
-template <typename L, bool kMove>
-ROME_INLINE void row_single(const Work& w, const Row<L>& row) {
-  const bool stream = streaming_row<L>(w, row.y);
-  for (std::int64_t v = 0; v < w.V; ++v) {
-    const __m256 xs = L::load(row.x + w.src[v], w.src_n[v]);
-    const __m256 xb = kMove ? xs : _mm256_and_ps(_mm256_permutevar8x32_ps(xs, w.idx[v]), w.mask[v]);
-    put<L>(w, stream, row.y, v, combine<L>(L::load(row.x + kW * v, lanes_of(w, v)), xb, row, v));
-  }
+// memcmp(a, b, n) == 0, inline, one branch.
+ROME_INLINE bool equal_bytes(const void* a, const void* b, std::size_t n) {
+  const auto* p = static_cast<const char*>(a);
+  const auto* q = static_cast<const char*>(b);
+  __m256i diff = _mm256_setzero_si256();
+  for (; n >= 32; n -= 32, p += 32, q += 32)
+    diff = _mm256_or_si256(
+        diff, _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
+                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
+  return _mm256_testz_si256(diff, diff) && std::memcmp(p, q, n) == 0;
 }
+
+// The traits of common/permute-inl.hpp: a lane count for tails, a blend mask per permute.
+struct Avx2 {
+  using F = __m256;
+  using Count = int;
+  using Index = __m256i;
+  using Mask = __m256;
+  static constexpr int kLanes = kW;
+  static constexpr Count kAll = kW;
+  static constexpr int kPadVectors = 2;  // shifted loads reach up to 7 lanes either side of X
+  static ROME_INLINE Count lanes(int n) { return n; }
+  static ROME_INLINE std::uint32_t bits(Count n) { return (1u << n) - 1; }
+  static ROME_INLINE F load(const float* p) { return _mm256_load_ps(p); }
+  static ROME_INLINE void store(float* p, F v) { _mm256_store_ps(p, v); }
+  static ROME_INLINE F combine(F xa, F c, F xb, F s) { return avx2::combine(xa, c, xb, s); }
+  static ROME_INLINE F combine_exact_product(F xa, F c, F xb, F s) {
+    return avx2::combine_exact_product(xa, c, xb, s);
+  }
+  static ROME_INLINE void epilogue_pair(bool exact, F a0, F c0, F b0, F s0, F a1, F c1, F b1, F s1,
+                                        F& out0, F& out1) {
+    if (exact)
+      kernels::epilogue_pair<true>(a0, c0, b0, s0, a1, c1, b1, s1, out0, out1);
+    else
+      kernels::epilogue_pair<false>(a0, c0, b0, s0, a1, c1, b1, s1, out0, out1);
+  }
+  static ROME_INLINE F swap_pairs(F x) { return _mm256_permute_ps(x, 0xb1); }
+  static ROME_INLINE F permute(F x, Index idx, Mask mask) {
+    return _mm256_and_ps(_mm256_permutevar8x32_ps(x, idx), mask);
+  }
+  static ROME_INLINE Index index(const std::int32_t* lanes) {
+    return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(lanes));
+  }
+  static ROME_INLINE Mask mask(std::uint32_t lanes) { return blend_mask(lanes); }
+  struct GeneralPlan {
+    const PermuteStep* steps;
+    const std::int32_t* begin;
+    const __m256* masks;
+  };
+  template <class W>
+  static ROME_INLINE GeneralPlan general_plan(const W& w, bool a) {
+    const VectorPermutePlan& p = a ? w.r->avx2.a : w.r->avx2.b;
+    return {p.steps.data(), p.step_begin.data(), a ? w.a_masks : w.b_masks};
+  }
+  static ROME_INLINE F permute_plan(const GeneralPlan& p, std::int64_t v, const float* X) {
+    return permute_vector(p.steps, p.masks, p.begin[v], p.begin[v + 1], X);
+  }
+  static ROME_INLINE void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  static ROME_INLINE void copy_bytes(void* dst, const void* src, std::int64_t bytes, bool stream) {
+    avx2::copy_bytes(dst, src, bytes, stream);
+  }
+  static ROME_INLINE void fence() { _mm_sfence(); }
+  static ROME_INLINE bool equal_bytes(const void* a, const void* b, std::size_t n) {
+    return kernels::equal_bytes(a, b, n);
+  }
+};
+
+// shifted: output vector v takes its B lanes from at most kMaxShifts unaligned loads of the
+// widened row, X[8v + d .. 8v + d + 8) for a few offsets d, blended by lane (block diagonals
+// whose blocks are not multiples of 8 lanes, e.g. 3D RoPE 44+44+40: a vector straddles at most
+// two half-blocks, so two or three loads replace a chain of cross-lane permutes).
+// shifted_two: every vector has a B source in every lane from at most two loads, the row is
+// whole vectors and an even number of them (3D RoPE 44+44+40 and 16+56+56: every half-block has
+// at least 8 lanes): two loads and one blend per vector, no branches, two vectors per step.
+constexpr int kMaxShifts = 3;
+
+struct Plan : PlanBase<Avx2> {
+  const __m256* a_masks = nullptr;  // general: per plan step
+  const __m256* b_masks = nullptr;
+  const std::int32_t* shift_count = nullptr;   // shifted: per output vector
+  const std::int32_t* shift_offset = nullptr;  // shifted: kMaxShifts per output vector
+  const __m256* shift_mask = nullptr;
+};
+using Work = permute::Work<Plan>;
+
+// The row loops' type parameter: the storage type's lanes and what the tile's values allow
+// (kernel_api.hpp: exact_products, nan_results_low_bits_zero).
+template <DType D, bool kExact, bool kNanLowBitsZero>
+struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
+                                     Lanes16<Bf16NanLowBitsZero>, Lanes<D>> {
+  static constexpr DType kDType = D;
+  static constexpr bool kExactProducts = kExact;
+  static constexpr bool kNarrowWithoutNanCheck = kNanLowBitsZero;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Row loops of AVX2's own kinds
 
 // The row is widened into X (one vector of padding each side: a shifted load may start up to 7
 // lanes before the row or end up to 7 lanes past it; those lanes are never selected).
 template <typename L>
 ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
-  float* X = w.X + kW;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    for (std::int64_t v = 0; v < w.V; ++v)
-      _mm256_store_ps(X + kW * v, L::load(row.x + kW * v, lanes_of(w, v)));
-    const bool stream = streaming_row<L>(w, row.y);
+  float* const X = w.X + kW;
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    widen_row<L>(w, row.x, X);
     for (std::int64_t v = 0; v < w.V; ++v) {
       const std::int32_t* d = w.shift_offset + kMaxShifts * v;
       const __m256* m = w.shift_mask + kMaxShifts * v;
@@ -279,10 +202,9 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
         case 1: xb = _mm256_blendv_ps(xb, _mm256_loadu_ps(at + d[0]), m[0]); break;
         default: break;
       }
-      put<L>(w, stream, row.y, v, combine<L>(_mm256_load_ps(at), xb, row, v));
+      put<L>(w, stream, row.y, v, combine<L>(w, _mm256_load_ps(at), xb, row, v));
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 template <typename L>
@@ -294,13 +216,11 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
     return _mm256_blendv_ps(_mm256_loadu_ps(at + d[0]), _mm256_loadu_ps(at + d[1]),
                             w.shift_mask[kMaxShifts * v + 1]);
   };
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     for (std::int64_t j = 0; j < kW * w.V; j += 2 * kW) {  // two vectors per step (V is even)
       _mm256_store_ps(X + j, L::load(row.x + j));
       _mm256_store_ps(X + j + kW, L::load(row.x + j + kW));
     }
-    const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t v = 0; v < w.V; v += 2) {
       const __m256 a0 = _mm256_load_ps(X + kW * v), a1 = _mm256_load_ps(X + kW * (v + 1));
       const __m256 b0 = b_lanes(v), b1 = b_lanes(v + 1);
@@ -337,29 +257,7 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
         put<L>(w, stream, row.y, v + 1, out1);
       }
     }
-    pass_through<L>(w, row.x, row.y);
-  }
-}
-
-template <typename L>
-ROME_INLINE void rows_general(const Work& w, const ForwardTile& tile) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    row_general<L>(w, row);
-    pass_through<L>(w, row.x, row.y);
-  }
-}
-
-template <typename L, bool kMove>
-ROME_INLINE void rows_single(const Work& w, const ForwardTile& tile) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    if (static_cast<const void*>(row.x) == static_cast<const void*>(row.y))
-      row_general<L>(w, row);
-    else
-      row_single<L, kMove>(w, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // bf16 rows, 16 lanes at a time without any permute: the 16 values of one 32-byte load split
@@ -418,14 +316,12 @@ ROME_INLINE void row_bf16_pairs(std::int64_t chunks, const Row<L>& row) {
 template <typename L>
 ROME_INLINE void rows_bf16_pairs(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    if (streaming_row<L>(w, row.y))
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    if (stream)
       row_bf16_pairs<L, true>(chunks, row);
     else
       row_bf16_pairs<L, false>(chunks, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // Chunks c and c + K (lanes 16c.. and 16(c + K)..) swap roles, for c in the first K chunks of
@@ -447,14 +343,12 @@ ROME_INLINE void row_bf16_xor(std::int64_t chunks, std::int64_t K, const Row<L>&
 template <typename L>
 ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    if (streaming_row<L>(w, row.y))
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    if (stream)
       row_bf16_xor<L, true>(chunks, K, row);
     else
       row_bf16_xor<L, false>(chunks, K, row);
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
@@ -463,12 +357,10 @@ ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
 template <typename L>
 ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
   const std::int64_t H = w.V / 2;
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     const bool in_place = static_cast<const void*>(row.x) == static_cast<const void*>(row.y);
     if (in_place)
       for (std::int64_t v = 0; v < w.V; ++v) _mm256_store_ps(w.X + kW * v, L::load(row.x + kW * v));
-    const bool stream = streaming_row<L>(w, row.y);
     for (std::int64_t u = 0; u < H; ++u) {
       const std::int64_t at = 2 * kW * u;
       const EvenOdd eo =
@@ -482,8 +374,7 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
       put<L>(w, stream, row.y, u, lo);
       put<L>(w, stream, row.y, H + u, hi);
     }
-    pass_through<L>(w, row.x, row.y);
-  }
+  });
 }
 
 // Whether bf16 rows of this kind run 16 lanes at a time on even/odd tables.
@@ -516,12 +407,6 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
 // ---------------------------------------------------------------------------------------------
 // Per-rotation preparation
 
-ROME_INLINE __m256 blend_mask(std::uint32_t lanes) {
-  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
-  return _mm256_castsi256_ps(
-      _mm256_cmpeq_epi32(_mm256_and_si256(_mm256_set1_epi32(int(lanes)), bits), bits));
-}
-
 // interleave_half on whole vectors: A takes lane 2j (j < h) or 2(j - h) + 1, B the other lane of
 // the pair (signs are in the tables).
 bool is_deinterleave(const RotationData& r, const Work& w) {
@@ -534,41 +419,6 @@ bool is_deinterleave(const RotationData& r, const Work& w) {
       return false;
   }
   return true;
-}
-
-Kind classify(const RotationData& r, Work& w, __m256i* idx, __m256* mask, std::int32_t* src,
-              std::int32_t* src_n) {
-  if (is_deinterleave(r, w)) return Kind::deinterleave;
-  if (!r.a_identity) return Kind::general;
-  const VectorPermutePlan& pb = r.avx2.b;
-  bool local = true, move = true, pairs = true, half = true, quarter = true;
-  for (std::int64_t v = 0; v < w.V; ++v) {
-    if (pb.step_begin[v + 1] - pb.step_begin[v] != 1) return Kind::general;
-    const PermuteStep& s = pb.steps[pb.step_begin[v]];
-    const std::uint32_t all = (1u << lanes_of(w, v)) - 1;
-    bool iota = true, swap = true;
-    for (int l = 0; l < kW; ++l) {
-      if (!(s.lanes >> l & 1)) continue;
-      iota &= s.idx[l] == l;
-      swap &= s.idx[l] == (l ^ 1);
-    }
-    idx[v] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s.idx));
-    mask[v] = blend_mask(s.lanes);
-    src[v] = kW * s.src0;
-    src_n[v] = lanes_of(w, s.src0);
-    const bool full = s.lanes == all;
-    local &= s.src0 == v;
-    pairs &= s.src0 == v && full && swap;
-    move &= full && all == 0xff && src_n[v] == kW && iota;
-    half &= s.src0 == (v ^ (w.V / 2));
-    quarter &= s.src0 == (v ^ (w.V / 4));
-  }
-  if (local) return pairs ? Kind::pairs : Kind::local;
-  if (move && w.V % 4 == 0 && (half || quarter)) {
-    w.xor_k = int(half ? w.V / 2 : w.V / 4);
-    return half ? Kind::half_move : Kind::quarter_move;
-  }
-  return move ? Kind::move : Kind::single;
 }
 
 // Offsets and lane masks of the shifted kind; false when some vector needs more than
@@ -610,175 +460,68 @@ bool two_shifts(const RotationData& r, const Work& w, const std::int32_t* count)
   return true;
 }
 
-// memcmp(a, b, n) == 0, inline, one branch.
-ROME_INLINE bool equal_bytes(const void* a, const void* b, std::size_t n) {
-  const auto* p = static_cast<const char*>(a);
-  const auto* q = static_cast<const char*>(b);
-  __m256i diff = _mm256_setzero_si256();
-  for (; n >= 32; n -= 32, p += 32, q += 32)
-    diff = _mm256_or_si256(
-        diff, _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)),
-                               _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q))));
-  return _mm256_testz_si256(diff, diff) && std::memcmp(p, q, n) == 0;
-}
-
-template <typename T>
-ROME_INLINE bool equal(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && equal_bytes(a.data(), b.data(), a.size() * sizeof(T));
-}
-
-// Everything derived from the rotation alone, kept per thread and rebuilt when a call comes with
-// a different rotation: the same object (address and uid) is taken as is, another one is
-// compared by content.
-class Prepared {
- public:
-  Kind kind = Kind::general;
-  int xor_k = 0;
-  const __m256i* idx = nullptr;
-  const __m256* mask = nullptr;
-  const std::int32_t* src = nullptr;
-  const std::int32_t* src_n = nullptr;
-  const __m256* a_masks = nullptr;
-  const __m256* b_masks = nullptr;
-  const std::int32_t* shift_count = nullptr;
-  const std::int32_t* shift_offset = nullptr;
-  const __m256* shift_mask = nullptr;
-
-  void update(const RotationData& r, Work& w) {
-    // The same object of the same lineage: nothing to compare (an address reused by another
-    // rotation comes with another uid).
-    if (&r == last_ && r.uid == last_uid_) return;
-    if (!matches(r)) rebuild(r, w);
-    last_ = &r;
-    last_uid_ = r.uid;
-  }
-
- private:
-  void rebuild(const RotationData& r, Work& w) {
-    rd_ = r.rotary_dim;
-    a_identity_ = r.a_identity;
-    b_src_ = r.b.src;
-    b_sign_ = r.b.sign;
-    a_src_ = r.a_identity ? std::vector<std::int32_t>() : r.a.src;
-    a_sign_ = r.a_identity ? std::vector<std::int8_t>() : r.a.sign;
-    const VectorPermutePlan& pa = r.avx2.a;
-    const VectorPermutePlan& pb = r.avx2.b;
-    const std::int64_t V = w.V;
-    const std::int64_t a_steps = r.a_identity ? 0 : std::int64_t(pa.steps.size());
-    const std::int64_t b_steps = std::int64_t(pb.steps.size());
-    // idx, mask (V vectors each), step masks of B and A, shift masks (kMaxShifts·V), src,
-    // src_n, shift_count (V each), shift_offset (kMaxShifts·V).
-    const std::size_t bytes = std::size_t(2 * V + a_steps + b_steps + kMaxShifts * V) * 32 +
-                              std::size_t(V) * 12 + std::size_t(kMaxShifts * V) * 4;
-    char* base = static_cast<char*>(storage_.get(bytes));
-    auto* idx_v = reinterpret_cast<__m256i*>(base);
-    auto* mask_v = reinterpret_cast<__m256*>(idx_v + V);
-    auto* b_masks_v = mask_v + V;
-    auto* a_masks_v = b_masks_v + b_steps;
-    auto* shift_mask_v = a_masks_v + a_steps;
-    auto* src_v = reinterpret_cast<std::int32_t*>(shift_mask_v + kMaxShifts * V);
-    auto* src_n_v = src_v + V;
-    auto* shift_count_v = src_n_v + V;
-    auto* shift_offset_v = shift_count_v + V;
-    w.xor_k = 0;
-    kind = classify(r, w, idx_v, mask_v, src_v, src_n_v);
-    if (kind == Kind::general && r.a_identity &&
-        classify_shifted(r, w, shift_count_v, shift_offset_v, shift_mask_v))
-      kind = two_shifts(r, w, shift_count_v) ? Kind::shifted_two : Kind::shifted;
-    shift_count = shift_count_v;
-    shift_offset = shift_offset_v;
-    shift_mask = shift_mask_v;
-    xor_k = w.xor_k;
-    for (std::int64_t i = 0; i < b_steps; ++i) b_masks_v[i] = blend_mask(pb.steps[i].lanes);
-    for (std::int64_t i = 0; i < a_steps; ++i) a_masks_v[i] = blend_mask(pa.steps[i].lanes);
-    idx = idx_v;
-    mask = mask_v;
-    src = src_v;
-    src_n = src_n_v;
-    b_masks = b_masks_v;
-    a_masks = a_masks_v;
-  }
-
-  bool matches(const RotationData& r) const {
-    return rd_ == r.rotary_dim && a_identity_ == r.a_identity && equal(b_src_, r.b.src) &&
-           equal(b_sign_, r.b.sign) &&
-           (r.a_identity || (equal(a_src_, r.a.src) && equal(a_sign_, r.a.sign)));
-  }
-
-  const RotationData* last_ = nullptr;
-  std::uint64_t last_uid_ = 0;
-  std::int64_t rd_ = -1;
-  bool a_identity_ = true;
-  std::vector<std::int32_t> a_src_, b_src_;
-  std::vector<std::int8_t> a_sign_, b_sign_;
-  Scratch storage_;
-};
-
-struct ThreadState {
-  Scratch scratch;  // X of rows longer than the stack buffer
-  Prepared prepared;
-};
-thread_local ThreadState t_state;
-
-Work work_for(const RotationData& r) {
-  Work w;
-  w.r = &r;
-  w.rd = r.rotary_dim;
-  w.hd = r.head_dim;
-  w.V = (w.rd + kW - 1) / kW;
-  w.tail = w.rd % kW ? int(w.rd % kW) : kW;
-  return w;
+// The plan of a rotation, its arrays in `storage`: idx, mask (V vectors each), step masks of B
+// and A, shift masks (kMaxShifts·V), src, src_n, shift_count (V each), shift_offset
+// (kMaxShifts·V).
+Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
+  const VectorPermutePlan& pa = r.avx2.a;
+  const VectorPermutePlan& pb = r.avx2.b;
+  const std::int64_t V = w.V;
+  const std::int64_t a_steps = r.a_identity ? 0 : std::int64_t(pa.steps.size());
+  const std::int64_t b_steps = std::int64_t(pb.steps.size());
+  const std::size_t bytes = std::size_t(2 * V + a_steps + b_steps + kMaxShifts * V) * 32 +
+                            std::size_t(V) * 12 + std::size_t(kMaxShifts * V) * 4;
+  char* base = static_cast<char*>(storage.get(bytes));
+  auto* idx = reinterpret_cast<__m256i*>(base);
+  auto* mask = reinterpret_cast<__m256*>(idx + V);
+  auto* b_masks = mask + V;
+  auto* a_masks = b_masks + b_steps;
+  auto* shift_mask = a_masks + a_steps;
+  auto* src = reinterpret_cast<std::int32_t*>(shift_mask + kMaxShifts * V);
+  auto* src_n = src + V;
+  auto* shift_count = src_n + V;
+  auto* shift_offset = shift_count + V;
+  Plan p;
+  p.kind = is_deinterleave(r, w) ? Kind::deinterleave : classify(pb, w, p, idx, mask, src, src_n);
+  if (p.kind == Kind::general && r.a_identity &&
+      classify_shifted(r, w, shift_count, shift_offset, shift_mask))
+    p.kind = two_shifts(r, w, shift_count) ? Kind::shifted_two : Kind::shifted;
+  for (std::int64_t i = 0; i < b_steps; ++i) b_masks[i] = blend_mask(pb.steps[i].lanes);
+  for (std::int64_t i = 0; i < a_steps; ++i) a_masks[i] = blend_mask(pa.steps[i].lanes);
+  p.idx = idx;
+  p.mask = mask;
+  p.src = src;
+  p.src_n = src_n;
+  p.a_masks = a_masks;
+  p.b_masks = b_masks;
+  p.shift_count = shift_count;
+  p.shift_offset = shift_offset;
+  p.shift_mask = shift_mask;
+  return p;
 }
 
 TableLayout table_layout(const RotationData& r, DType dtype) {
   if (dtype != DType::bf16 || r.kind != Rotation::Kind::signed_permutation)
     return TableLayout::natural;
-  Work w = work_for(r);
-  Prepared& prepared = t_state.prepared;
-  prepared.update(r, w);
-  return even_odd_kind(prepared.kind, w.rd, prepared.xor_k) ? TableLayout::even_odd_16
-                                                            : TableLayout::natural;
+  const Work w = work_for<Plan>(r);
+  const Plan& p = prepared_plan(r, w, build_plan);
+  return even_odd_kind(p.kind, w.rd, p.xor_k) ? TableLayout::even_odd_16 : TableLayout::natural;
 }
 
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
-  if (tile.count <= 0) return;
-  Work w = work_for(r);
-  w.pass = tile.copy_passthrough && w.hd > w.rd;
-  w.stream = tile.stream;
-  ThreadState& state = t_state;
-  // X: the row widened to fp32 (general and shifted rows, deinterleave in place; with a vector of
-  // padding each side);
-  // the permute data comes from the thread's cache.
-  constexpr std::int64_t kStackVectors = 32;
-  alignas(64) float stack[kStackVectors * kW];
-  w.X = w.V + 2 <= kStackVectors
-            ? stack
-            : static_cast<float*>(state.scratch.get(std::size_t((w.V + 2) * kW) * sizeof(float)));
-  Prepared& prepared = state.prepared;
-  prepared.update(r, w);
-  w.xor_k = prepared.xor_k;
-  w.idx = prepared.idx;
-  w.mask = prepared.mask;
-  w.src = prepared.src;
-  w.src_n = prepared.src_n;
-  w.a_masks = prepared.a_masks;
-  w.b_masks = prepared.b_masks;
-  w.shift_count = prepared.shift_count;
-  w.shift_offset = prepared.shift_offset;
-  w.shift_mask = prepared.shift_mask;
-  if constexpr (D == DType::f32) {
-    dispatch_rows<RowLanes<D, false, false>>(prepared.kind, w, tile);
-  } else {
-    if (!exact_products(tile))
-      dispatch_rows<RowLanes<D, false, false>>(prepared.kind, w, tile);
-    else if (nan_results_low_bits_zero(tile))
-      dispatch_rows<RowLanes<D, true, D == DType::bf16>>(prepared.kind, w, tile);
-    else
-      dispatch_rows<RowLanes<D, true, false>>(prepared.kind, w, tile);
-  }
-  // Non-temporal stores are weakly ordered: make them visible before the tile is reported done.
-  if (w.stream) _mm_sfence();
+  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) ROME_INLINE_LAMBDA {
+    if constexpr (D == DType::f32) {
+      dispatch_rows<RowLanes<D, false, false>>(kind, w, tile);
+    } else {
+      if (!w.exact_products)
+        dispatch_rows<RowLanes<D, false, false>>(kind, w, tile);
+      else if (nan_results_low_bits_zero(tile))
+        dispatch_rows<RowLanes<D, true, D == DType::bf16>>(kind, w, tile);
+      else
+        dispatch_rows<RowLanes<D, true, false>>(kind, w, tile);
+    }
+  });
 }
 
 void forward_permute_any(const RotationData& r, const ForwardTile& b) {
