@@ -356,13 +356,18 @@ struct ThreadState {
   Scratch scratch;  // X of rows longer than the stack buffer
   Prepared<P> prepared;
 };
+// A function-local thread_local, not a thread_local variable template: g++ 12 never destroyed the
+// latter's instances at thread exit (LeakSanitizer: every pool thread's plan arrays leaked).
 template <class P>
-thread_local ThreadState<P> t_state;
+ThreadState<P>& thread_state() {
+  thread_local ThreadState<P> state;
+  return state;
+}
 
 // The plan of rotation r, from the thread's cache.
 template <class P, class Build>
 ROME_INLINE const P& prepared_plan(const RotationData& r, const Work<P>& w, Build build) {
-  Prepared<P>& prepared = t_state<P>.prepared;
+  Prepared<P>& prepared = thread_state<P>().prepared;
   prepared.update(r, w, build);
   return prepared.plan;
 }
@@ -382,9 +387,10 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
   constexpr std::int64_t kStackFloats = 256;
   alignas(64) float stack[kStackFloats];
   const std::int64_t floats = (w.V + I::kPadVectors) * I::kLanes;
-  w.X = floats <= kStackFloats
-            ? stack
-            : static_cast<float*>(t_state<P>.scratch.get(std::size_t(floats) * sizeof(float)));
+  w.X =
+      floats <= kStackFloats
+          ? stack
+          : static_cast<float*>(thread_state<P>().scratch.get(std::size_t(floats) * sizeof(float)));
   static_cast<P&>(w) = prepared_plan(r, w, build);
   // A copy whose address no out-of-line call sees: the row loops' stores cannot alias it, so its
   // fields stay in registers (w went to build).
