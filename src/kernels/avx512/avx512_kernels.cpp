@@ -118,28 +118,37 @@ struct Plan : PlanBase<Avx512> {
 };
 using Work = permute::Work<Plan>;
 
+// Lanes of the VC results that are of one of fpclass's classes `kClasses`, ORed.
+template <int VC, int kClasses>
+ROME_INLINE __mmask16 any_of_class(const __m512* out) {
+  __mmask16 found = _mm512_fpclass_ps_mask(out[0], kClasses);
+#pragma GCC unroll 16
+  for (int v = 1; v < VC; ++v) found = _kor_mask16(found, _mm512_fpclass_ps_mask(out[v], kClasses));
+  return found;
+}
+
+// vcvtne2ps2bf16 on pairs of vectors; the caller has checked the row for subnormals.
+template <typename L, int VC>
+ROME_INLINE void store_row_pairs(const Work& w, typename L::T* y, const __m512* out) {
+  if (w.stream && (reinterpret_cast<std::uintptr_t>(y) & 63) == 0) {
+#pragma GCC unroll 8
+    for (int v = 0; v < VC; v += 2)
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(y + kW * v),
+                          L::narrow_pair(out[v], out[v + 1]));
+  } else {
+#pragma GCC unroll 8
+    for (int v = 0; v < VC; v += 2)
+      _mm512_storeu_si512(y + kW * v, L::narrow_pair(out[v], out[v + 1]));
+  }
+}
+
 // Stores a full row of VC vectors, non-temporally when streaming and aligned.
 template <typename L, int VC>
 ROME_INLINE void store_row(const Work& w, typename L::T* y, const __m512* out) {
   if constexpr (L::kPairs) {
-    // vcvtne2ps2bf16 on pairs of vectors, one subnormal check for the row.
-    __mmask16 subnormal = _mm512_fpclass_ps_mask(out[0], 0x20);
-#pragma GCC unroll 16
-    for (int v = 1; v < VC; ++v)
-      subnormal = _kor_mask16(subnormal, _mm512_fpclass_ps_mask(out[v], 0x20));
-    if (__builtin_expect(_kortestz_mask16_u8(subnormal, subnormal), 1)) {
-      if (w.stream && (reinterpret_cast<std::uintptr_t>(y) & 63) == 0) {
-#pragma GCC unroll 8
-        for (int v = 0; v < VC; v += 2)
-          _mm512_stream_si512(reinterpret_cast<__m512i*>(y + kW * v),
-                              L::narrow_pair(out[v], out[v + 1]));
-      } else {
-#pragma GCC unroll 8
-        for (int v = 0; v < VC; v += 2)
-          _mm512_storeu_si512(y + kW * v, L::narrow_pair(out[v], out[v + 1]));
-      }
-      return;
-    }
+    const __mmask16 subnormal = any_of_class<VC, 0x20>(out);
+    if (__builtin_expect(_kortestz_mask16_u8(subnormal, subnormal), 1))
+      return store_row_pairs<L, VC>(w, y, out);
   }
   if (w.stream && (reinterpret_cast<std::uintptr_t>(y) & 63) == 0) {
 #pragma GCC unroll 16
@@ -160,6 +169,10 @@ struct Sources {
 
 // Every output vector v is the epilogue of sources(in, x, v), `in` holding the row when kLoadRow;
 // the row is stored only after all of it is computed, so in place is safe.
+// bf16 rows narrowed in pairs run the epilogue unguarded and classify each result once for both
+// rare cases: NaN (the row is redone with the guarded combine; see combine_unguarded) and
+// subnormal (vcvtne2ps2bf16 flushes them). One vfpclassps per vector instead of two, on the port
+// the permutes also need.
 template <typename L, int VC, bool kLoadRow, class SourcesOf>
 ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf sources) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool) ROME_INLINE_LAMBDA {
@@ -167,6 +180,19 @@ ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf so
     if constexpr (kLoadRow) {
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
+    }
+    if constexpr (L::kPairs) {
+      const bool exact_products = exact<L>(w);
+#pragma GCC unroll 16
+      for (int v = 0; v < VC; ++v) {
+        const Sources ab = sources(in, row.x, v);
+        const __m512 c = _mm512_load_ps(row.C + kW * v), s = _mm512_load_ps(row.S + kW * v);
+        out[v] = exact_products ? avx512::combine_exact_product(ab.a, c, ab.b, s)
+                                : avx512::combine_unguarded(ab.a, c, ab.b, s);
+      }
+      const __mmask16 nan_or_subnormal = any_of_class<VC, 0x81 | 0x20>(out);
+      if (__builtin_expect(_kortestz_mask16_u8(nan_or_subnormal, nan_or_subnormal), 1))
+        return store_row_pairs<L, VC>(w, row.y, out);
     }
 #pragma GCC unroll 16
     for (int v = 0; v < VC; ++v) {

@@ -149,6 +149,14 @@ ROME_INLINE __m512 combine(__m512 xa, __m512 c, __m512 xb, __m512 s) {
   return _mm512_add_ps(_mm512_fmadd_ps(xb, s, p), e);
 }
 
+// combine without the guard: the same operations, so the same bits wherever xa·c is finite; where
+// it is not, the result is NaN (fma(xa, c, -p) is inf - inf, or NaN, and so is the sum). A caller
+// that finds no NaN among the results has combine's bits; one that does redoes them with combine.
+ROME_INLINE __m512 combine_unguarded(__m512 xa, __m512 c, __m512 xb, __m512 s) {
+  const __m512 p = _mm512_mul_ps(xa, c);
+  return _mm512_add_ps(_mm512_fmadd_ps(xb, s, p), _mm512_fmsub_ps(xa, c, p));
+}
+
 // xa·c + xb·s when xa·c is exact in fp32 (ForwardTile::exact_products), operation for operation
 // as combine_lane_exact_product.
 ROME_INLINE __m512 combine_exact_product(__m512 xa, __m512 c, __m512 xb, __m512 s) {
