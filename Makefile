@@ -61,7 +61,7 @@ test:
 	$(MAKE) --no-print-directory -j 2 --output-sync=target build venv
 	$(MAKE) --no-print-directory test-cpp test-isa test-asan fuzz-smoke test-python
 
-# The GoogleTest suites run as one shard per core (tests/run_gtest_shards.sh).
+# The GoogleTest suites run as four shards per core, one per core at a time (tests/run_gtest_shards.sh).
 test-cpp: build
 	bash tests/run_gtest_shards.sh $(JOBS) ./build/rome_tests --gtest_brief=1
 	./build/rome_example
