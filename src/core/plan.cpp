@@ -1032,29 +1032,22 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
     if (last >= 0) outer[last] = first + i;
     float* c = cos + i * stride;
     float* s = sin + i * stride;
+    // The even/odd layout goes through the scratch rows (load_table_row may have returned them:
+    // the signs are folded in place first), then is split into the tile.
+    float* folded_cos = even_odd ? row_cos : c;
+    float* folded_sin = even_odd ? row_sin : s;
     if (spread) {
       const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
-      const int64_t w = t.columns;
-      spread_row(rows.cos, t.dtype_cos, t.width, w, rd, cos_bits, 0u, even_odd ? row_cos : c);
-      spread_row(rows.sin, t.dtype_sin, t.width, w, rd, sin_bits, sin_flip, even_odd ? row_sin : s);
-      if (even_odd) {
-        split_even_odd_16(row_cos, rd, c);
-        split_even_odd_16(row_sin, rd, s);
-      }
-      std::fill(c + rd, c + stride, 0.0f);
-      std::fill(s + rd, s + stride, 0.0f);
-      continue;
+      spread_row(rows.cos, t.dtype_cos, t.width, t.columns, rd, cos_bits, 0u, folded_cos);
+      spread_row(rows.sin, t.dtype_sin, t.width, t.columns, rd, sin_bits, sin_flip, folded_sin);
+    } else {
+      const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
+      fold_signs(row.cos, cos_bits, rd, folded_cos);
+      fold_signs(row.sin, sin_bits, rd, folded_sin);
     }
-    const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
     if (even_odd) {
-      // Through the scratch rows (load_table_row may have returned them: fold in place first).
-      fold_signs(row.cos, cos_bits, rd, row_cos);
-      fold_signs(row.sin, sin_bits, rd, row_sin);
       split_even_odd_16(row_cos, rd, c);
       split_even_odd_16(row_sin, rd, s);
-    } else {
-      fold_signs(row.cos, cos_bits, rd, c);
-      fold_signs(row.sin, sin_bits, rd, s);
     }
     std::fill(c + rd, c + stride, 0.0f);
     std::fill(s + rd, s + stride, 0.0f);
