@@ -12,6 +12,22 @@
 
 namespace rome::testing {
 
+// True in the AddressSanitizer build (make test's second run of the suite, several times slower
+// per case). The heaviest value checks then run on smaller inputs or fewer settings: the
+// sanitizers look for memory errors on the same code paths, and the Release run checks every
+// value at full size.
+#if defined(__SANITIZE_ADDRESS__)
+inline constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+inline constexpr bool kSanitized = true;
+#else
+inline constexpr bool kSanitized = false;
+#endif
+#else
+inline constexpr bool kSanitized = false;
+#endif
+
 inline std::vector<Isa> isas_under_test() {
   static const std::vector<Isa> isas = [] {
     std::vector<Isa> out;

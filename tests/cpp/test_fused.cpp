@@ -162,7 +162,8 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
     for (DType dtype : {DType::f32, DType::bf16, DType::f16})
       for (DType table_dtype : {DType::f32, DType::bf16})
         for (bool gemma : {false, true}) {
-          const std::int64_t T = 37;
+          // Under the sanitizers 19 tokens: still more than one group of rows on every ISA.
+          const std::int64_t T = kSanitized ? 19 : 37;
           const Rotation rotation =
               (fc.neox ? Rotation::half(fc.rd) : Rotation::interleave(fc.rd)).partial(fc.d);
           const Cache cache = make_cache(64, fc.rd, T, rng, table_dtype);
