@@ -106,12 +106,14 @@ tsan: deps
 	cmake --build build-tsan -j $(JOBS) --target rome_tests
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 ./build-tsan/rome_tests --gtest_filter='Concurrency*' --gtest_repeat=2
 
-# One pytest worker per core; tests go to whichever worker is free, except files with expensive
-# module fixtures (the bench run), which stay on one worker (tests/python/conftest.py).
+# One pytest worker per core, a whole file at a time (--dist loadfile): the module and session
+# fixtures (a benchmark run, a zoo of tiny models) are then built once, not once per worker.
+# (--dist loadgroup with xdist_group marks did not group anything under pytest 9.2 + xdist 3.8:
+# the benchmark ran on both workers.)
 # Idle OpenMP threads sleep instead of spinning: the workers and the benchmark test's subprocess
 # share the cores, and spinning threads of one process starved the others (3x slower).
 test-python: python
-	OMP_WAIT_POLICY=PASSIVE $(PYTHON) -m pytest -q -rs -n $(JOBS) --dist loadgroup tests/python
+	OMP_WAIT_POLICY=PASSIVE $(PYTHON) -m pytest -q -rs -n $(JOBS) --dist loadfile tests/python
 
 bench: build python
 	$(PYTHON) -m rome.bench $(BENCH_ARGS)

@@ -188,15 +188,3 @@ def need_module(module: str):
         reason = f"{module} cannot be imported: {type(exc).__name__}: {exc}"
         print(f"SKIP: {reason}", file=sys.stderr)
         pytest.skip(reason)
-
-
-# make test runs pytest-xdist with --dist loadgroup: tests go one by one to whichever worker is
-# free, except the files whose module- or session-scoped fixtures are expensive (a benchmark run,
-# a zoo of tiny models), which stay whole on one worker so the fixture is built once.
-_ONE_WORKER_FILES = {"test_bench.py", "test_hf_coverage.py", "test_kernels_hub.py", "test_threads.py"}
-
-
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.path.name in _ONE_WORKER_FILES:
-            item.add_marker(pytest.mark.xdist_group(item.path.stem))
