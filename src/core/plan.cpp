@@ -462,6 +462,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
     tp.lane_frequency = rot.lane_frequency.data();
     tp.amplitude = tables.amplitude;
     tp.cos_sin = active_kernels().cos_sin;
+    tp.cos_sin_rows = active_kernels().cos_sin_rows;
   }
 
   // For each axis of x (but the head): does the table row change along it? Strides of the
@@ -767,6 +768,12 @@ TableRow table_free_row(const ForwardPlan& plan, const int64_t* outer, float* co
   const TablePlan& t = plan.tables;
   const int64_t rd = plan.rotation->rotary_dim, n = t.columns;
   const int64_t op = positions_offset(plan, outer);
+  if (!t.column_axis && plan.rotation->lane_frequency_halves && rd == 2 * n) {
+    // Half: each frequency's values straight into the row's two halves.
+    const double position = double(position_at(t, op));
+    t.cos_sin_rows(1, &position, n, t.frequencies, t.amplitude, true, rd, cos, sin);
+    return {cos, sin};
+  }
   constexpr int64_t kStack = 256;
   double stack_position[kStack];
   float stack_values[2 * kStack];
@@ -785,14 +792,6 @@ TableRow table_free_row(const ForwardPlan& plan, const int64_t* outer, float* co
       position[c] = double(position_at(t, op + t.column_axis[c] * t.positions_axis_stride));
   } else {
     std::fill(position, position + n, double(position_at(t, op)));
-  }
-  if (plan.rotation->lane_frequency_halves && rd == 2 * n) {
-    // Half: each frequency's values straight into the row's first half, copied to the second
-    // (the per-lane gather below took 11% of table-free RoPE on the seed tensor).
-    t.cos_sin(n, position, t.frequencies, t.amplitude, cos, sin);
-    std::memcpy(cos + n, cos, std::size_t(n) * sizeof(float));
-    std::memcpy(sin + n, sin, std::size_t(n) * sizeof(float));
-    return {cos, sin};
   }
   float* cos_f = values;
   float* sin_f = values + n;
@@ -887,6 +886,15 @@ void fold_signs(const float* in, const std::uint32_t* signs, int64_t n, float* o
     return;
   }
   for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ signs[j];
+}
+
+// row[j] ^= signs[j] ^ flip, in place (signs null: flip only).
+void fold_signs_in_place(float* row, const std::uint32_t* signs, std::uint32_t flip, int64_t n) {
+  auto* bits = reinterpret_cast<bits32*>(row);
+  if (signs)
+    for (int64_t j = 0; j < n; ++j) bits[j] ^= signs[j] ^ flip;
+  else if (flip)
+    for (int64_t j = 0; j < n; ++j) bits[j] ^= flip;
 }
 
 // TableLayout::even_odd_16 of a row whose length is a multiple of 16.
@@ -1024,6 +1032,32 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
                       is_floating(t.dtype_sin) &&
                       (t.width == TableWidth::full || rd == 2 * t.columns);
   const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
+  if (t.frequencies && !t.column_axis && r.lane_frequency_halves && rd == 2 * t.columns &&
+      !even_odd) {
+    // Table-free half rows, one position per token: the rows kernel writes a block of the tile's
+    // rows in one call (row by row it waited on each row's latency), then signs and padding.
+    constexpr int64_t kBlock = 32;
+    double block[kBlock];
+    for (int64_t i0 = 0; i0 < tokens; i0 += kBlock) {
+      const int64_t m = std::min(kBlock, tokens - i0);
+      for (int64_t i = 0; i < m; ++i) {
+        if (last >= 0) outer[last] = first + i0 + i;
+        block[i] = double(position_at(t, positions_offset(plan, outer)));
+      }
+      t.cos_sin_rows(m, block, t.columns, t.frequencies, t.amplitude, true, stride,
+                     cos + i0 * stride, sin + i0 * stride);
+    }
+    for (int64_t i = 0; i < tokens; ++i) {
+      float* c = cos + i * stride;
+      float* s = sin + i * stride;
+      fold_signs_in_place(c, cos_bits, 0u, rd);
+      fold_signs_in_place(s, sin_bits, sin_flip, rd);
+      std::fill(c + rd, c + stride, 0.0f);
+      std::fill(s + rd, s + stride, 0.0f);
+    }
+    if (last >= 0) outer[last] = first;
+    return;
+  }
   for (int64_t i = 0; i < tokens; ++i) {
     if (gather && i + kAhead < tokens) {
       outer[last] = first + i + kAhead;

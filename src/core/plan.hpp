@@ -54,6 +54,7 @@ struct TablePlan {
   const std::int32_t* lane_frequency = nullptr;
   double amplitude = 1.0;
   kernels::CosSinFn cos_sin = nullptr;
+  kernels::CosSinRowsFn cos_sin_rows = nullptr;
 };
 
 struct ForwardPlan {

@@ -106,6 +106,13 @@ using NormForwardFn = void (*)(const detail::RotationData& rotation, const Forwa
 using CosSinFn = void (*)(std::int64_t n, const double* position, const double* frequency,
                           double amplitude, float* cos, float* sin);
 
+// Whole rows of the same values: for r < rows and i < n, θ = position[r]·frequency[i]:
+// cos[r·stride + i] = CosSinFn's cos of θ, sin likewise, and with repeat_halves the same values
+// again at r·stride + n + i (the half layout's second half). Same bits as CosSinFn.
+using CosSinRowsFn = void (*)(std::int64_t rows, const double* position, std::int64_t n,
+                              const double* frequency, double amplitude, bool repeat_halves,
+                              std::int64_t stride, float* cos, float* sin);
+
 // out[i] = the bf16 bits of in[i], for i < n: round to nearest even, NaN quietened, subnormals
 // kept (core/convert.hpp's float_to_bf16). Every ISA gives the same bits.
 using NarrowBf16Fn = void (*)(std::int64_t n, const float* in, std::uint16_t* out);
@@ -119,6 +126,7 @@ struct KernelTable {
   NormForwardFn forward_norm_permute;  // nullptr: use the scalar kernel
   TableLayoutFn norm_table_layout;     // of forward_norm_permute's tiles; nullptr: natural
   CosSinFn cos_sin;                    // table-free RoPE's angles
+  CosSinRowsFn cos_sin_rows;           // the same, a row of frequencies per position
   NarrowBf16Fn narrow_bf16;            // tables::to_bf16_bits (16-bit tables built in bulk)
 };
 
@@ -138,6 +146,15 @@ void avx2_cos_sin(std::int64_t n, const double* position, const double* frequenc
                   float* cos, float* sin);
 void avx512_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);
+void scalar_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
+                         const double* frequency, double amplitude, bool repeat_halves,
+                         std::int64_t stride, float* cos, float* sin);
+void avx2_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
+                       const double* frequency, double amplitude, bool repeat_halves,
+                       std::int64_t stride, float* cos, float* sin);
+void avx512_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
+                         const double* frequency, double amplitude, bool repeat_halves,
+                         std::int64_t stride, float* cos, float* sin);
 
 void avx2_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,
                                const NormParams& norm);

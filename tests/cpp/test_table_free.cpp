@@ -86,6 +86,42 @@ TEST(TableFreeKernel, ExactToFp32AtLongPositionsOnEveryIsa) {
   }
 }
 
+// The rows kernel: for every ISA, row width (vector multiples and tails), amplitude and both
+// layouts, the bits of the element-wise kernel at each (position, frequency); the lanes between
+// rows (stride past the row) stay as they were.
+TEST(TableFreeKernel, RowsKernelMatchesTheElementwiseBits) {
+  std::mt19937_64 rng(12);
+  std::uniform_int_distribution<std::int64_t> any_position(-20000000, 20000000);
+  std::uniform_real_distribution<double> any_frequency(0.0, 1.0);
+  for (std::int64_t n : {1, 3, 7, 8, 16, 22, 32, 64, 65})
+    for (bool repeat : {false, true})
+      for (double amplitude : {1.0, 0.75}) {
+        const std::int64_t rows = 5, width = repeat ? 2 * n : n, stride = width + 3;
+        std::vector<double> position(rows), frequency(n);
+        for (double& p : position) p = double(any_position(rng));
+        for (double& f : frequency) f = any_frequency(rng);
+        std::vector<float> want_cos(rows * stride, NAN), want_sin(rows * stride, NAN);
+        for (std::int64_t r = 0; r < rows; ++r) {
+          const std::vector<double> p(n, position[r]);
+          kernels::scalar_cos_sin(n, p.data(), frequency.data(), amplitude, &want_cos[r * stride],
+                                  &want_sin[r * stride]);
+          if (repeat) {
+            std::copy_n(&want_cos[r * stride], n, &want_cos[r * stride + n]);
+            std::copy_n(&want_sin[r * stride], n, &want_sin[r * stride + n]);
+          }
+        }
+        for (const kernels::KernelTable* table : kernel_tables()) {
+          std::vector<float> c(rows * stride, NAN), s(rows * stride, NAN);
+          table->cos_sin_rows(rows, position.data(), n, frequency.data(), amplitude, repeat, stride,
+                              c.data(), s.data());
+          ASSERT_EQ(0, std::memcmp(c.data(), want_cos.data(), c.size() * sizeof(float)))
+              << table->name << " n " << n << (repeat ? " halves" : "");
+          ASSERT_EQ(0, std::memcmp(s.data(), want_sin.data(), s.size() * sizeof(float)))
+              << table->name << " n " << n << (repeat ? " halves" : "");
+        }
+      }
+}
+
 // The builder narrows its fp32 rows with the vectorised to_bf16_bits (the active ISA's kernel):
 // element for element the bits of bf16_bits on every ISA, for every class of float (NaN
 // payloads, infinities, subnormals, ties) and every length (the vector loops' tails).

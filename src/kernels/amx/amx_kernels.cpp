@@ -62,6 +62,7 @@ const KernelTable& amx_kernels(bool avx512_bf16) {
                        avx512.forward_norm_permute,
                        avx512.norm_table_layout,
                        avx512.cos_sin,
+                       avx512.cos_sin_rows,
                        avx512.narrow_bf16};
   };
   static const KernelTable table = make(avx512_kernels(false), forward_dense<avx512::NarrowExact>);

@@ -49,4 +49,11 @@ void avx2_cos_sin(std::int64_t n, const double* position, const double* frequenc
   cos_sin_common::cos_sin<Avx2Traits>(n, position, frequency, amplitude, cos, sin);
 }
 
+void avx2_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
+                       const double* frequency, double amplitude, bool repeat_halves,
+                       std::int64_t stride, float* cos, float* sin) {
+  cos_sin_common::cos_sin_rows<Avx2Traits>(rows, position, n, frequency, amplitude, repeat_halves,
+                                           stride, cos, sin);
+}
+
 }  // namespace rome::kernels

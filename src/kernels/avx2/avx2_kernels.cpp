@@ -544,10 +544,16 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
 }  // namespace
 
 const KernelTable& avx2_kernels() {
-  static const KernelTable table{
-      "avx2",       forward_permute_any,       avx2_forward_dense,     avx2_accumulate_product,
-      table_layout, avx2_forward_norm_permute, avx2_norm_table_layout, avx2_cos_sin,
-      narrow_bf16};
+  static const KernelTable table{"avx2",
+                                 forward_permute_any,
+                                 avx2_forward_dense,
+                                 avx2_accumulate_product,
+                                 table_layout,
+                                 avx2_forward_norm_permute,
+                                 avx2_norm_table_layout,
+                                 avx2_cos_sin,
+                                 avx2_cos_sin_rows,
+                                 narrow_bf16};
   return table;
 }
 

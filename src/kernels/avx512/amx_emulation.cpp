@@ -76,6 +76,7 @@ const KernelTable& amx_emulated_kernels() {
                                  avx512_kernels(false).forward_norm_permute,
                                  avx512_kernels(false).norm_table_layout,
                                  avx512_kernels(false).cos_sin,
+                                 avx512_kernels(false).cos_sin_rows,
                                  avx512_kernels(false).narrow_bf16};
   return table;
 }

@@ -398,6 +398,7 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                  avx512_forward_norm_permute,
                                  nullptr,
                                  avx512_cos_sin,
+                                 avx512_cos_sin_rows,
                                  narrow_bf16};
   static const KernelTable table_bf16{"avx512",
                                       forward_permute_any<true>,
@@ -407,6 +408,7 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                       avx512_bf16_forward_norm_permute,
                                       nullptr,
                                       avx512_cos_sin,
+                                      avx512_cos_sin_rows,
                                       narrow_bf16};
   static const KernelTable table_bf16_dot{"avx512",
                                           forward_permute_any<true>,
@@ -416,6 +418,7 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                           avx512_bf16_forward_norm_permute,
                                           nullptr,
                                           avx512_cos_sin,
+                                          avx512_cos_sin_rows,
                                           narrow_bf16};
   if (!avx512_bf16) return table;
   return bf16_dot ? table_bf16_dot : table_bf16;

@@ -64,29 +64,40 @@ inline void sin_cos_reduced(const typename V::F& r, typename V::F& s, typename V
   c = V::fma(V::mul(z, z), pc, V::fma(z, V::fset(-0.5f), V::fset(1.0f)));
 }
 
-// 2·kLanes angles: two double vectors reduced, their r rounded into one fp32 vector.
+// 2·kLanes angles: two double vectors of positions and frequencies reduced, their r rounded
+// into one fp32 vector.
 template <class V, bool kScaled>
-inline void cos_sin_step(const double* position, const double* frequency,
-                         const typename V::F& amplitude, float* cos_out, float* sin_out) {
+inline void cos_sin_values(const typename V::D& p0, const typename V::D& p1,
+                           const typename V::D& f0, const typename V::D& f1,
+                           const typename V::F& amplitude, typename V::F& cos_q,
+                           typename V::F& sin_q) {
   using D = typename V::D;
   using F = typename V::F;
-  constexpr int W = V::kLanes;
   D r0, t0, r1, t1;
-  reduce<V>(V::load(position), V::load(frequency), r0, t0);
-  reduce<V>(V::load(position + W), V::load(frequency + W), r1, t1);
+  reduce<V>(p0, f0, r0, t0);
+  reduce<V>(p1, f1, r1, t1);
   F s, c;
   sin_cos_reduced<V>(V::to_float(r0, r1), s, c);
   // Quadrant q = k mod 4: sin θ = (s, c, −s, −c)[q], cos θ = (c, −s, −c, s)[q].
   const F q = V::low_words(t0, t1);
   const F odd = V::template sign_of_bit<0>(q), second = V::template sign_of_bit<1>(q);
-  F sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
-  F cos_q = V::flip_sign(V::select_by_sign(odd, c, s), V::bit_xor(odd, second));
+  sin_q = V::flip_sign(V::select_by_sign(odd, s, c), second);
+  cos_q = V::flip_sign(V::select_by_sign(odd, c, s), V::bit_xor(odd, second));
   if constexpr (kScaled) {
     sin_q = V::mul(sin_q, amplitude);
     cos_q = V::mul(cos_q, amplitude);
   }
-  V::store(cos_out, cos_q);
-  V::store(sin_out, sin_q);
+}
+
+template <class V, bool kScaled>
+inline void cos_sin_step(const double* position, const double* frequency,
+                         const typename V::F& amplitude, float* cos_out, float* sin_out) {
+  constexpr int W = V::kLanes;
+  typename V::F c, s;
+  cos_sin_values<V, kScaled>(V::load(position), V::load(position + W), V::load(frequency),
+                             V::load(frequency + W), amplitude, c, s);
+  V::store(cos_out, c);
+  V::store(sin_out, s);
 }
 
 template <class V, bool kScaled>
@@ -110,6 +121,64 @@ void cos_sin_loop(std::int64_t n, const double* position, const double* frequenc
     cos_out[j] = c[j - i];
     sin_out[j] = s[j - i];
   }
+}
+
+// Whole rows in one loop: the position broadcast from a register, and the rows' chains of
+// dependent operations overlapped by the out-of-order core. One row of 64 per call waited on each
+// row's latency: 1.27 against 0.87 ns per angle here (AVX-512, 64 rows of 64, both halves written).
+template <class V, bool kScaled>
+void cos_sin_rows_loop(std::int64_t rows, const double* position, std::int64_t n,
+                       const double* frequency, double amplitude, bool repeat_halves,
+                       std::int64_t stride, float* cos_out, float* sin_out) {
+  constexpr int W = 2 * V::kLanes;
+  const typename V::F amp = V::fset(float(amplitude));
+  const std::int64_t whole = n - n % W;
+  // The tail's frequencies, padded once for every row.
+  double tail_f[W] = {};
+  for (std::int64_t j = whole; j < n; ++j) tail_f[j - whole] = frequency[j];
+  const std::int64_t second = repeat_halves ? n : 0;
+  for (std::int64_t r = 0; r < rows; ++r) {
+    const typename V::D p = V::set(position[r]);
+    float* const co = cos_out + r * stride;
+    float* const so = sin_out + r * stride;
+    for (std::int64_t i = 0; i < whole; i += W) {
+      typename V::F c, s;
+      cos_sin_values<V, kScaled>(p, p, V::load(frequency + i), V::load(frequency + i + V::kLanes),
+                                 amp, c, s);
+      V::store(co + i, c);
+      V::store(so + i, s);
+      if (repeat_halves) {
+        V::store(co + second + i, c);
+        V::store(so + second + i, s);
+      }
+    }
+    if (whole == n) continue;
+    typename V::F c, s;
+    float cb[W], sb[W];
+    cos_sin_values<V, kScaled>(p, p, V::load(tail_f), V::load(tail_f + V::kLanes), amp, c, s);
+    V::store(cb, c);
+    V::store(sb, s);
+    for (std::int64_t j = whole; j < n; ++j) {
+      co[j] = cb[j - whole];
+      so[j] = sb[j - whole];
+      if (repeat_halves) {
+        co[second + j] = cb[j - whole];
+        so[second + j] = sb[j - whole];
+      }
+    }
+  }
+}
+
+template <class V>
+void cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
+                  const double* frequency, double amplitude, bool repeat_halves,
+                  std::int64_t stride, float* cos_out, float* sin_out) {
+  if (amplitude == 1.0)
+    cos_sin_rows_loop<V, false>(rows, position, n, frequency, amplitude, repeat_halves, stride,
+                                cos_out, sin_out);
+  else
+    cos_sin_rows_loop<V, true>(rows, position, n, frequency, amplitude, repeat_halves, stride,
+                               cos_out, sin_out);
 }
 
 // cos_out[i] = amplitude·cos(position[i]·frequency[i]) in fp32, sin_out likewise, i < n.

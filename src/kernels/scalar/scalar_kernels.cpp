@@ -195,10 +195,16 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
 }  // namespace
 
 const KernelTable& scalar_kernels() {
-  static const KernelTable table{
-      "scalar",   forward_permute_any,      forward_dense_any, scalar_accumulate_product,
-      nullptr,    forward_norm_permute_any, nullptr,           scalar_cos_sin,
-      narrow_bf16};
+  static const KernelTable table{"scalar",
+                                 forward_permute_any,
+                                 forward_dense_any,
+                                 scalar_accumulate_product,
+                                 nullptr,
+                                 forward_norm_permute_any,
+                                 nullptr,
+                                 scalar_cos_sin,
+                                 scalar_cos_sin_rows,
+                                 narrow_bf16};
   return table;
 }
 
