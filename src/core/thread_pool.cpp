@@ -1,7 +1,6 @@
 #include "thread_pool.hpp"
 
 #include <atomic>
-#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -58,46 +57,23 @@ class Pool {
     }
   }
 
-  // Polls for the next job for up to 100 us before sleeping: waking a sleeping worker goes
-  // through the kernel, slow on a VM, and back-to-back calls (a decode loop) find it still
-  // polling. rome_timer, q [1, 32, 64, 128] + k [1, 8, 64, 128] bf16 in place, 2 threads, old and
-  // new alternately: 52-60 -> 44 us (one thread: 69-75 us). OpenMP runtimes poll longer.
-  void spin_for_next_job(std::uint64_t seen) const {
-    using Clock = std::chrono::steady_clock;
-    const Clock::time_point until = Clock::now() + std::chrono::microseconds(kSpinMicroseconds);
-    for (int i = 1;; ++i) {
-      if (generation_.load(std::memory_order_acquire) != seen) return;
-      pause();
-      if (i % 64 == 0 && Clock::now() > until) return;
-    }
-  }
-
-  static void pause() {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
-  }
-
-  static constexpr int kSpinMicroseconds = 100;
-
   void loop(int index) {
     std::uint64_t seen = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      seen = generation_.load(std::memory_order_relaxed);
+      seen = generation_;
       // A worker created for the current job must still take part in it.
-      if (parts_ > index && pending_.load() > 0) seen -= 1;
+      if (parts_ > index && pending_.load() > 0) seen = generation_ - 1;
     }
     for (;;) {
       RangeFn fn;
       void* context;
       std::int64_t items;
       int parts;
-      spin_for_next_job(seen);
       {
         std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_.load(std::memory_order_relaxed) != seen; });
-        seen = generation_.load(std::memory_order_relaxed);
+        wake_.wait(lock, [&] { return generation_ != seen; });
+        seen = generation_;
         if (stopping_) return;
         fn = fn_;
         context = context_;
@@ -117,8 +93,7 @@ class Pool {
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
-  // Written under mutex_ (the condition variable's predicate), read without it by spinning workers.
-  std::atomic<std::uint64_t> generation_{0};
+  std::uint64_t generation_ = 0;
   bool stopping_ = false;
   RangeFn fn_ = nullptr;
   void* context_ = nullptr;
