@@ -1,6 +1,5 @@
 // CPU kernels of the rome:: operators: thin calls into the core.
 #include <algorithm>
-#include <cstring>
 
 #include "calls.hpp"
 #include "dispatch.hpp"
@@ -209,20 +208,8 @@ std::tuple<Tensor, Tensor> cos_sin_cpu(const Tensor& positions, const Tensor& in
       for (int64_t r0 = begin; r0 < end; r0 += kBlock) {
         const int64_t m = std::min(kBlock, end - r0);
         rome::exact_cos_sin_rows({p + r0, size_t(m)}, f, amplitude, pairs, c, s);
-        uint16_t* const co = cos16 + r0 * width;
-        uint16_t* const so = sin16 + r0 * width;
-        if (pairs) {
-          to16({c, size_t(m * width)}, co);
-          to16({s, size_t(m * width)}, so);
-          continue;
-        }
-        // Half layout: each row's halves are equal, so narrow the first and copy it.
-        for (int64_t r = 0; r < m; ++r) {
-          to16({c + r * width, size_t(n)}, co + r * width);
-          to16({s + r * width, size_t(n)}, so + r * width);
-          std::memcpy(co + r * width + n, co + r * width, n * sizeof(uint16_t));
-          std::memcpy(so + r * width + n, so + r * width, n * sizeof(uint16_t));
-        }
+        to16({c, size_t(m * width)}, cos16 + r0 * width);
+        to16({s, size_t(m * width)}, sin16 + r0 * width);
       }
     });
     if (fill_dtype != out_dtype) return std::make_tuple(cos.to(out_dtype), sin.to(out_dtype));

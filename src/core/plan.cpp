@@ -877,24 +877,18 @@ namespace {
 // 32-bit lanes that may alias the fp32 tables: sign folding is an xor on their bits.
 typedef std::uint32_t bits32 __attribute__((may_alias));
 
-// out[j] = in[j] ^ signs[j] (signs null: a copy); plain loops the compiler vectorises.
-void fold_signs(const float* in, const std::uint32_t* signs, int64_t n, float* out) {
+// out[j] = in[j] ^ signs[j] ^ flip (signs null: in[j] ^ flip, a copy when flip is 0); out may be
+// in. Plain loops the compiler vectorises.
+void fold_signs(const float* in, const std::uint32_t* signs, std::uint32_t flip, int64_t n,
+                float* out) {
   const auto* src = reinterpret_cast<const bits32*>(in);
   auto* dst = reinterpret_cast<bits32*>(out);
-  if (!signs) {
-    for (int64_t j = 0; j < n; ++j) dst[j] = src[j];
+  if (signs) {
+    for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ signs[j] ^ flip;
     return;
   }
-  for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ signs[j];
-}
-
-// row[j] ^= signs[j] ^ flip, in place (signs null: flip only).
-void fold_signs_in_place(float* row, const std::uint32_t* signs, std::uint32_t flip, int64_t n) {
-  auto* bits = reinterpret_cast<bits32*>(row);
-  if (signs)
-    for (int64_t j = 0; j < n; ++j) bits[j] ^= signs[j] ^ flip;
-  else if (flip)
-    for (int64_t j = 0; j < n; ++j) bits[j] ^= flip;
+  if (in == out && flip == 0) return;
+  for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ flip;
 }
 
 // TableLayout::even_odd_16 of a row whose length is a multiple of 16.
@@ -1032,10 +1026,12 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
                       is_floating(t.dtype_sin) &&
                       (t.width == TableWidth::full || rd == 2 * t.columns);
   const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
-  if (t.frequencies && !t.column_axis && r.lane_frequency_halves && rd == 2 * t.columns &&
-      !even_odd) {
-    // Table-free half rows, one position per token: the rows kernel writes a block of the tile's
-    // rows in one call (row by row it waited on each row's latency), then signs and padding.
+  // Table-free half rows, one position per token: the rows kernel writes them into the tile a
+  // block of tokens per call (row by row it waited on each row's latency); the loop below folds
+  // their signs in place.
+  const bool free_rows = t.frequencies && !t.column_axis && r.lane_frequency_halves &&
+                         rd == 2 * t.columns && !even_odd;
+  if (free_rows) {
     constexpr int64_t kBlock = 32;
     double block[kBlock];
     for (int64_t i0 = 0; i0 < tokens; i0 += kBlock) {
@@ -1047,16 +1043,6 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       t.cos_sin_rows(m, block, t.columns, t.frequencies, t.amplitude, true, stride,
                      cos + i0 * stride, sin + i0 * stride);
     }
-    for (int64_t i = 0; i < tokens; ++i) {
-      float* c = cos + i * stride;
-      float* s = sin + i * stride;
-      fold_signs_in_place(c, cos_bits, 0u, rd);
-      fold_signs_in_place(s, sin_bits, sin_flip, rd);
-      std::fill(c + rd, c + stride, 0.0f);
-      std::fill(s + rd, s + stride, 0.0f);
-    }
-    if (last >= 0) outer[last] = first;
-    return;
   }
   for (int64_t i = 0; i < tokens; ++i) {
     if (gather && i + kAhead < tokens) {
@@ -1074,10 +1060,13 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
       spread_row(rows.cos, t.dtype_cos, t.width, t.columns, rd, cos_bits, 0u, folded_cos);
       spread_row(rows.sin, t.dtype_sin, t.width, t.columns, rd, sin_bits, sin_flip, folded_sin);
+    } else if (free_rows) {
+      fold_signs(c, cos_bits, 0u, rd, c);
+      fold_signs(s, sin_bits, sin_flip, rd, s);
     } else {
       const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
-      fold_signs(row.cos, cos_bits, rd, folded_cos);
-      fold_signs(row.sin, sin_bits, rd, folded_sin);
+      fold_signs(row.cos, cos_bits, 0u, rd, folded_cos);
+      fold_signs(row.sin, sin_bits, 0u, rd, folded_sin);
     }
     if (even_odd) {
       split_even_odd_16(row_cos, rd, c);
