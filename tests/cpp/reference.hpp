@@ -35,37 +35,49 @@ struct TestTables {
   double value(bool want_sin, const std::vector<std::int64_t>& row, std::int64_t lane) const {
     const TestTensor& t = want_sin ? sin : cos;
     const std::int64_t c = column(lane);
+    // Reused: this runs once per reference element.
+    thread_local std::vector<std::int64_t> idx, pidx;
     if (!is_cache()) {
-      std::vector<std::int64_t> idx(t.shape.size());
+      idx.resize(t.shape.size());
       const std::size_t lead = row.size() - (t.shape.size() - 1);
       for (std::size_t i = 0; i + 1 < t.shape.size(); ++i)
         idx[i] = t.shape[i] == 1 ? 0 : row[lead + i];
       idx.back() = c;
       return t.get(idx);
     }
-    std::vector<std::int64_t> pidx(positions.shape.size(), 0);
+    pidx.assign(positions.shape.size(), 0);
     for (std::size_t i = 0; i < row.size(); ++i) pidx[i] = positions.shape[i] == 1 ? 0 : row[i];
     if (!column_axis.empty()) pidx.back() = column_axis[c];
     const auto p = std::int64_t(positions.get(pidx));
-    return t.get({p, c});
+    idx.assign({p, c});
+    return t.get(idx);
   }
 };
 
-// The rotation's matrices in double, kept as the nonzero entries of each column.
+// The rotation's matrices in double, kept as the nonzero entries of each column (a D = 4094
+// rotation has 16.7M entries and a few thousand nonzeros: the dense copy is not kept).
 struct DenseRotation {
   std::int64_t head_dim, rotary_dim;
-  std::vector<double> a, b;  // rotary_dim², row-major
+  bool dense;  // Rotation::Kind::dense: the reference also gives the dot-product error bound
   std::vector<std::vector<std::pair<std::int64_t, double>>> a_cols, b_cols;
-  explicit DenseRotation(const Rotation& r) : head_dim(r.head_dim()), rotary_dim(r.rotary_dim()) {
-    for (float v : r.to_dense_a()) a.push_back(v);
-    for (float v : r.to_dense_b()) b.push_back(v);
-    a_cols.resize(rotary_dim);
-    b_cols.resize(rotary_dim);
-    for (std::int64_t i = 0; i < rotary_dim; ++i)
-      for (std::int64_t j = 0; j < rotary_dim; ++j) {
-        if (a[i * rotary_dim + j] != 0) a_cols[j].push_back({i, a[i * rotary_dim + j]});
-        if (b[i * rotary_dim + j] != 0) b_cols[j].push_back({i, b[i * rotary_dim + j]});
-      }
+  explicit DenseRotation(const Rotation& r)
+      : head_dim(r.head_dim()),
+        rotary_dim(r.rotary_dim()),
+        dense(r.kind() == Rotation::Kind::dense) {
+    a_cols = nonzero_columns(r.to_dense_a());
+    b_cols = nonzero_columns(r.to_dense_b());
+  }
+
+ private:
+  std::vector<std::vector<std::pair<std::int64_t, double>>> nonzero_columns(
+      const std::vector<float>& m) const {
+    std::vector<std::vector<std::pair<std::int64_t, double>>> cols(rotary_dim);
+    for (std::int64_t i = 0; i < rotary_dim; ++i) {
+      const float* row = m.data() + i * rotary_dim;
+      for (std::int64_t j = 0; j < rotary_dim; ++j)
+        if (row[j] != 0) cols[j].push_back({i, row[j]});
+    }
+    return cols;
   }
 };
 
@@ -86,10 +98,10 @@ inline double column_dot(const std::vector<std::pair<std::int64_t, double>>& col
 }
 
 // matrix_unit: the AMX kernel's bound (bf16 hi/lo split products, see src/kernels/amx).
-inline Reference reference(const Rotation& rotation, const TestTables& tables, const TestTensor& x,
+// Takes the rotation's columns, which a table-driven test can build once per rotation.
+inline Reference reference(const DenseRotation& m, const TestTables& tables, const TestTensor& x,
                            bool matrix_unit = false) {
-  const DenseRotation m(rotation);
-  const bool dense = rotation.kind() == Rotation::Kind::dense;
+  const bool dense = m.dense;
   const std::int64_t d = m.head_dim, rd = m.rotary_dim, rows = d ? x.numel() / d : 0;
   const double out_ulp = x.dtype == DType::f32 ? 0x1p-23 : x.dtype == DType::f16 ? 0x1p-10 : 0x1p-7;
   Reference ref;
@@ -133,6 +145,11 @@ inline Reference reference(const Rotation& rotation, const TestTables& tables, c
   return ref;
 }
 
+inline Reference reference(const Rotation& rotation, const TestTables& tables, const TestTensor& x,
+                           bool matrix_unit = false) {
+  return reference(DenseRotation(rotation), tables, x, matrix_unit);
+}
+
 inline std::vector<double> reference_forward(const Rotation& rotation, const TestTables& tables,
                                              const TestTensor& x) {
   return reference(rotation, tables, x).y;
@@ -150,8 +167,8 @@ inline Comparison compare(const TestTensor& out, const std::vector<double>& ref,
                           const std::vector<double>& dense_bound = {}) {
   Comparison c;
   const std::int64_t allowed = out.dtype == DType::f32 ? 2 : 1;
-  for (std::int64_t e = 0; e < out.numel(); ++e) {
-    const auto idx = out.unravel(e);
+  std::vector<std::int64_t> idx(out.shape.size(), 0);
+  for (std::int64_t e = 0; e < out.numel(); ++e, out.next_index(idx)) {
     const double got = out.get(idx);
     const std::int64_t ulp = ulp_distance(out.dtype, got, ref[e]);
     const bool within_bound = !dense_bound.empty() && std::abs(got - ref[e]) <= dense_bound[e];
