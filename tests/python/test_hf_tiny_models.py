@@ -1,0 +1,178 @@
+"""A tiny random-init causal LM of every transformers family whose modeling module defines
+``apply_rotary_pos_emb``: patched by rome.hf, its logits match transformers' own in fp32 and bf16.
+
+Its own file (not test_hf_coverage.py's): the two are the longest test files, and pytest's
+``--dist loadfile`` runs them on different workers.
+"""
+
+import sys
+import warnings
+
+import pytest
+import torch
+
+import rome.hf
+from test_hf_coverage import _as_tuple, _form_of
+
+
+def _defines_rope(module) -> bool:
+    return "apply_rotary_pos_emb" in module.__dict__ or \
+        "apply_rotary_pos_emb_interleave" in module.__dict__
+
+
+# Whole models: a tiny random-init causal LM of every family transformers can build from its
+# default config shrunk (4 layers, so hybrid models reach an attention layer).
+
+_SHRINK = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+               moe_intermediate_size=32, num_experts=4, n_routed_experts=4,
+               num_experts_per_tok=2, n_shared_experts=1, shared_expert_intermediate_size=32,
+               rotary_dim=8, pad_token_id=0, n_group=1, topk_group=1)
+# Retried in turn where the shrunk config does not build or run (MLA heads, explicit head dims).
+_MLA = dict(num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+            qk_nope_head_dim=8, v_head_dim=16, first_k_dense_replace=1)
+_VARIANTS = ({}, {"head_dim": 16}, {"num_key_value_heads": 4},
+             {"num_key_value_heads": 4, "head_dim": 16}, _MLA, {**_MLA, "rope_interleave": True})
+_MAX_PARAMS = 10_000_000
+
+
+def _causal_lm_class(model_type: str):
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[model_type], None)
+
+
+def _tiny_causal_lm(model_type: str, dtype: torch.dtype):
+    """(model, None) or (None, why it cannot be built here)."""
+    import transformers
+
+    cls = _causal_lm_class(model_type)
+    if cls is None:
+        return None, "no causal-LM class"
+    why = "no variant"
+    for variant in _VARIANTS:
+        try:
+            config = transformers.AutoConfig.for_model(model_type)
+            for key, value in {**_SHRINK, **variant}.items():
+                if hasattr(config, key):
+                    setattr(config, key, value)
+            config._attn_implementation = "eager"
+            with torch.device("meta"):
+                params = sum(p.numel() for p in cls(config).parameters())
+            if params > _MAX_PARAMS:
+                return None, f"{params / 1e6:.0f}M parameters when shrunk"
+            torch.manual_seed(0)
+            model = cls(config).eval().to(dtype)
+            with torch.no_grad():
+                model(torch.randint(1, 100, (1, 7)), use_cache=False)
+            return model, None
+        except Exception as exc:  # a config this generic shrink does not fit
+            why = f"{type(exc).__name__}: {str(exc)[:80]}"
+    return None, why
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids, use_cache=False).logits.float()
+
+
+@pytest.mark.one_isa
+def test_tiny_model_of_every_family_same_logits():
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    ran, not_built, failures, bf16_forms = [], {}, [], set()
+    ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for model_type in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES):
+            try:
+                cls = _causal_lm_class(model_type)
+            except Exception:  # a family that does not import here
+                cls = None
+            if cls is None or not _defines_rope(sys.modules[cls.__module__]):
+                continue
+            model, why = _tiny_causal_lm(model_type, torch.float32)
+            if model is None:
+                not_built[model_type] = why
+                continue
+            module = sys.modules[cls.__module__]
+            originals = {n: module.__dict__[n] for n in rome.hf._PATCHED_NAMES
+                         if n in module.__dict__}
+            calls = []
+
+            def counting(fn):
+                def count(*args, **kwargs):
+                    calls.append(1)
+                    return fn(*args, **kwargs)
+                return count
+
+            for n, fn in originals.items():
+                setattr(module, n, counting(fn))
+            try:
+                ref32 = _logits(model, ids)
+            finally:
+                for n, fn in originals.items():
+                    setattr(module, n, fn)
+            if not calls:
+                continue  # this config's layers never call the function (no rotary attention)
+            with rome.hf.patch_model(model, warn=False) as handle:
+                if module.__name__ not in handle.patched:
+                    failures.append(f"{model_type}: not patched ({handle.skipped})")
+                    continue
+                with torch.profiler.profile() as prof:
+                    out32 = _logits(model, ids)
+                # bf16 once per combination of forms (fp32 for every family): CI time.
+                forms = tuple(_form_of(module.__dict__[n]) for n in sorted(originals))
+                in_bf16 = forms not in bf16_forms
+                bf16_forms.add(forms)
+                if in_bf16:
+                    out16 = _logits(model.to(torch.bfloat16), ids)
+            if in_bf16:
+                ref16 = _logits(model, ids)
+
+            def exactly_rounded(fn):
+                def rounded(*args, **kwargs):
+                    wide = [a.double() if torch.is_tensor(a) and a.is_floating_point() else a
+                            for a in args]
+                    like = fn(*args, **kwargs)
+                    out = tuple(None if r is None else e.to(r.dtype) for e, r in zip(
+                        _as_tuple(fn(*wide, **kwargs)), _as_tuple(like)))
+                    return out if isinstance(like, tuple) else out[0]
+                return rounded
+
+            def exactly_rounded_logits():
+                for n, fn in originals.items():
+                    setattr(module, n, exactly_rounded(fn))
+                try:
+                    return _logits(model, ids)
+                finally:
+                    for n, fn in originals.items():
+                        setattr(module, n, fn)
+            if not any(e.name == "rome::rope" for e in prof.events()):
+                failures.append(f"{model_type}: rome::rope did not run")
+                continue
+            scale = ref32.abs().max().item()
+            err32 = (out32 - ref32).abs().max().item()
+            if err32 > 1e-4 * scale + 1e-5:
+                failures.append(f"{model_type}: fp32 logits differ by {err32:.3g}")
+            # bf16: RoME rounds once where transformers rounds each product, and in MoE models
+            # one ulp can flip a token's experts. So the reference is either transformers' bf16
+            # model or the same model with RoPE exactly rounded, whichever is nearer; allowed:
+            # transformers' own bf16 error (against fp32) twice over.
+            ran.append(model_type)
+            if not in_bf16:
+                continue
+            err16 = (out16 - ref16).abs().max().item()
+            noise16 = (ref16 - ref32).abs().max().item()
+            if err16 > 2 * noise16 + 1e-3 * scale:
+                err16 = min(err16, (out16 - exactly_rounded_logits()).abs().max().item())
+            if err16 > 2 * noise16 + 1e-3 * scale:
+                failures.append(f"{model_type}: bf16 logits differ by {err16:.3g} "
+                                f"(transformers' bf16 error {noise16:.3g})")
+    print(f"{len(ran)} families ran through RoME: {ran}; bf16 for the forms {bf16_forms}",
+          file=sys.stderr)
+    assert len(bf16_forms) >= 10, bf16_forms
+    print(f"not built here ({len(not_built)}): {not_built}", file=sys.stderr)
+    assert not failures, "\n".join(failures)
+    assert len(ran) >= 80, ran
