@@ -473,17 +473,17 @@ def _exact_rotary_forward(self, x, position_ids):
     """A Llama-style rotary module's forward on RoME's exact table builder."""
     if not (x.is_cpu and position_ids.is_cpu):
         return self._rome_original_forward(x, position_ids)
-    # rome.tables.cos_sin's op called directly (it checks its arguments itself), the buffer read
-    # without Module.__getattr__, no_grad entered only when grad is on: at one decode position
-    # this Python took as long as the op.
+    # rome.tables.cos_sin's op called directly (it checks its arguments itself) and the buffer
+    # read without Module.__getattr__: at one decode position this Python took as long as the op.
     inv_freq = self._buffers.get("inv_freq")
     if inv_freq is None:
         inv_freq = self.inv_freq
-    scaling = float(getattr(self, "attention_scaling", 1.0))
-    if torch.is_grad_enabled():
-        with torch.no_grad():
-            return _COS_SIN(position_ids, inv_freq, "half", scaling, x.dtype)
-    return _COS_SIN(position_ids, inv_freq, "half", scaling, x.dtype)
+    if inv_freq.requires_grad and torch.is_grad_enabled():
+        # Trainable frequencies: the op has no gradient for them, and some transformers versions'
+        # forward gives one (others are no_grad): the original decides.
+        return self._rome_original_forward(x, position_ids)
+    return _COS_SIN(position_ids, inv_freq, "half", float(getattr(self, "attention_scaling", 1.0)),
+                    x.dtype)
 
 
 def _mrope_axes(module: torch.nn.Module) -> torch.Tensor:
@@ -498,12 +498,12 @@ def _mrope_axes(module: torch.nn.Module) -> torch.Tensor:
     return axes.to(torch.int64)
 
 
-@torch.no_grad()
 def _exact_mrope_forward(self, x, position_ids):
     """An MRoPE rotary module's forward on RoME's exact table builder: cos/sin of every axis's
     positions (one call for the three axes), then each column from its axis."""
-    if x.device.type != "cpu" or position_ids.device.type != "cpu":
-        return self._rome_original_forward(x, position_ids)
+    if x.device.type != "cpu" or position_ids.device.type != "cpu" or (
+            self.inv_freq.requires_grad and torch.is_grad_enabled()):
+        return self._rome_original_forward(x, position_ids)  # see _exact_rotary_forward
     scaling = float(getattr(self, "attention_scaling", 1.0))
     positions = position_ids.expand(3, -1, -1)
     # Rounded to x's dtype before the selection: picking a column commutes with rounding it.

@@ -416,6 +416,8 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
     try:
         assert handle.rotary_patched == ["model.rotary_emb"], handle.skipped
         cos1, sin1 = rotary(x, pid)
+        # Grad mode is on here: like the original (a no_grad forward) nothing requires grad.
+        assert not cos1.requires_grad and not sin1.requires_grad
         # After the call: dynamic types have updated inv_freq for the sequence, as unpatched.
         inv = rotary.inv_freq.double()
         scale = float(rotary.attention_scaling)
@@ -432,6 +434,32 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
     assert "forward" not in rotary.__dict__
     cos2, _ = rotary(x, pid)
     assert torch.equal(cos2, cos0)
+
+
+def test_hf_rotary_module_patched_frequencies_that_require_grad():
+    """Trainable frequencies: the op has no gradient for them, so the patched module runs the
+    original forward, and whatever this transformers version gives (a gradient, or a no_grad
+    forward's tables without one) is what the user gets."""
+    model = _rotary_module({"rope_type": "default", "rope_theta": 10000.0})
+    rotary = model.model.rotary_emb
+    rotary.inv_freq.requires_grad_(True)
+    x, pid = torch.randn(1, 1, 128), torch.tensor([[3, 9]])
+    cos0, sin0 = rotary(x, pid)
+    handle = rome.hf.patch_model(model)
+    try:
+        assert handle.rotary_patched == ["model.rotary_emb"], handle.skipped
+        cos1, sin1 = rotary(x, pid)
+        with torch.no_grad():  # no gradient asked for: RoME's exact tables
+            cos2, _ = rotary(x, pid)
+    finally:
+        handle.undo()
+    assert (cos1.requires_grad, sin1.requires_grad) == (cos0.requires_grad, sin0.requires_grad)
+    assert torch.equal(cos1, cos0) and torch.equal(sin1, sin0)
+    if cos0.requires_grad:
+        (cos1.sum() + sin1.sum()).backward()
+        assert rotary.inv_freq.grad is not None and rotary.inv_freq.grad.abs().sum() > 0
+    assert not cos2.requires_grad
+    torch.testing.assert_close(cos2, cos0.detach(), rtol=0, atol=1e-6)
 
 
 def _mrope_axis_reference(kind, mrope_section, half):
