@@ -9,6 +9,8 @@
 #include "kernel_api.hpp"
 
 #define ROME_INLINE inline __attribute__((always_inline))
+// A lambda always inlined, as ROME_INLINE functions are (row bodies).
+#define ROME_INLINE_LAMBDA __attribute__((always_inline))
 
 namespace rome::kernels {
 

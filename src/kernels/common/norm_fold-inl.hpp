@@ -1,10 +1,8 @@
 // QK-norm + RoPE (NormForwardFn): the norm weight folded into a table row and the contract's
-// lane-by-lane form, written once and compiled into each kernel library (internal linkage: each
-// copy is built with its own flags).
+// lane-by-lane form, shared by the scalar kernel and the SIMD one (norm_rope-inl.hpp), compiled
+// into each kernel library (internal linkage: each copy is built with its own flags).
 #pragma once
 
-#include <algorithm>
-#include <cfloat>
 #include <cmath>
 #include <cstdint>
 
@@ -15,48 +13,6 @@
 
 namespace rome::kernels {
 namespace {
-
-// The rotations the SIMD norm kernels have vector loops for: half (lane j reads j ± rd/2) and
-// interleave (j reads j ^ 1), A = I; everything else takes the lane loop.
-enum class NormKind { half, interleave, other };
-
-// Classified once per rotation per thread in each kernel library (kernels keep no other state).
-inline NormKind classify_norm(const detail::RotationData& r) {
-  thread_local const detail::RotationData* last = nullptr;
-  thread_local std::uint64_t last_uid = 0;
-  thread_local NormKind kind = NormKind::other;
-  if (last == &r && last_uid == r.uid) return kind;
-  const std::int64_t rd = r.rotary_dim, h = rd / 2;
-  bool half = r.a_identity && rd % 2 == 0, pairs = r.a_identity && rd % 2 == 0;
-  for (std::int64_t j = 0; j < rd && (half || pairs); ++j) {
-    const bool has = r.b.sign[j] != 0;
-    half = half && has && r.b.src[j] == (j < h ? j + h : j - h);
-    pairs = pairs && has && r.b.src[j] == (j ^ 1);
-  }
-  kind = half ? NormKind::half : pairs ? NormKind::interleave : NormKind::other;
-  last = &r;
-  last_uid = r.uid;
-  return kind;
-}
-
-// Whether half / interleave rows are whole vectors of `lanes` floats (the SIMD kernels' vector
-// loops: half with a whole-vector half, interleave with rotary_dim whole vectors).
-inline bool whole_vector_rows(const detail::RotationData& r, NormKind kind, std::int64_t lanes) {
-  return (kind == NormKind::half && (r.rotary_dim / 2) % lanes == 0) ||
-         (kind == NormKind::interleave && r.rotary_dim % lanes == 0);
-}
-
-// The largest sum of squares of a row whose vector loop needs no inf/NaN test, given
-// m >= max |cw| + max |sw| of the folded table row (INFINITY for NaN); -1: no row. Such a row has
-// no lane of r·(x_a·C' + x_b·S') that is inf or NaN: x is finite (its sum of squares is),
-// |x_j| <= sqrt(ss), |C'_j| + |S'_j| <= m, and r <= sqrt(head_dim / ss) (eps >= 0); so every lane
-// is at most sqrt(ss)·m <= 1e37 before scaling and sqrt(head_dim)·m <= 1e37 after (the 30x
-// margin to FLT_MAX covers fp32's rounding of ss and the underflow of x² or ss / head_dim in the
-// subnormal range, which can make r up to about 1.7x larger than the bound).
-inline float finite_sum_squares_bound(double m, std::int64_t head_dim) {
-  if (!(m * std::sqrt(double(head_dim)) <= 1e37)) return -1.0f;
-  return float(std::min(m > 0 ? (1e37 / m) * (1e37 / m) : INFINITY, double(FLT_MAX)));
-}
 
 // cw[j] = cos[j]·w[a(j)] and sw[j] = sin[j]·w[b(j)] for j < rotary_dim, where a(j) and b(j) are
 // the lanes A and B read for lane j (a(j) = j when A = I). A lane reading nothing keeps the plain

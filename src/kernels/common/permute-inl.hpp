@@ -31,9 +31,6 @@
 #include "../kernel_api.hpp"
 #include "../kernel_support.hpp"
 
-// A lambda always inlined, as ROME_INLINE functions are (row bodies of for_rows).
-#define ROME_INLINE_LAMBDA __attribute__((always_inline))
-
 namespace rome::kernels::permute {
 namespace {
 
