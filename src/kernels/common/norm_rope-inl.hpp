@@ -29,6 +29,10 @@
 // (.even, .odd of one 16-lane chunk of each row), reduce_rows(acc, ss) (each row's
 // ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, hd, eps, scale) of a group's
 // 4·kRowsPerVector rows; prefetch. Storage lanes L: T, load / store (whole or Count lanes).
+// Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes), load / store of a
+// chunk of the row in table order, swap_pairs (each lane's interleave partner), the weights in
+// table order; one whose tables are not natural (kNaturalTables) also gives to_natural, and a
+// Bf16Order takes(r, kind) and kLayout.
 #pragma once
 
 #include <algorithm>
@@ -177,7 +181,8 @@ struct FoldedRow {
           I::storeu(sw + k, fs);
           most_c = I::max(most_c, I::abs(fc));
           most_s = I::max(most_s, I::abs(fs));
-          // max may drop a NaN; the probe keeps it (and turns an infinity into one or an inf).
+          // max may drop a NaN; this sum is not finite wherever a NaN or an infinity went in
+          // (or it overflowed: then the bound is merely not taken).
           probe = I::add(probe, I::sub(fc, fs));
         }
       };
@@ -210,7 +215,7 @@ struct FoldedRow {
 constexpr int kAccumulators = 4;
 
 template <class I>
-constexpr int kGroupRows = kAccumulators* I::kRowsPerVector;
+constexpr int kGroupRows = I::kRowsPerVector* kAccumulators;
 
 template <DType D>
 using Storage = typename detail::Storage<D>::type;
@@ -322,7 +327,7 @@ struct NormBuffers {
   float* natural;
 };
 
-// Any row the lane loop: x widened, the folded row in natural lane order.
+// A row by the contract's lane loop: x widened, the folded row in natural lane order.
 template <class I, DType D, class L, class O>
 [[gnu::noinline]] void rotate_row_lanes(const RotationData& r, const Storage<D>* x, Storage<D>* y,
                                         float scale, const FoldedRow<I, O>& folded,
@@ -376,9 +381,8 @@ void norm_rows_in_order(const RotationData& r, const ForwardTile& tile, const No
                         NormKind kind, const NormBuffers& buffers) {
   const float* weights = O::weights_in_table_order(norm.weight, r.head_dim, buffers.weights);
   FoldedRow<I, O> folded(buffers.cw_sw, buffers.sw_offset, weights, r, kind, true);
-  // Only bf16 x has exact products (NormParams::exact_products).
-  if (D == DType::bf16 && norm.exact_products) {
-    if constexpr (D == DType::bf16) {
+  if constexpr (D == DType::bf16) {  // only bf16 x has exact products (NormParams)
+    if (norm.exact_products) {
       if (kind == NormKind::half)
         return norm_rows<I, D, L, O, NormKind::half, true>(r, tile, norm, folded, buffers);
       return norm_rows<I, D, L, O, NormKind::interleave, true>(r, tile, norm, folded, buffers);
@@ -399,14 +403,17 @@ template <class I, DType D, class L>
 void forward_norm(const RotationData& r, const ForwardTile& tile, const NormParams& norm) {
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   constexpr std::int64_t kW = I::kLanes;
-  const std::int64_t row_floats = (hd + kW - 1) / kW * kW, rd_floats = (rd + 15) / 16 * 16;
+  const std::int64_t row_floats = (hd + kW - 1) / kW * kW;
+  const std::int64_t rd_floats = (rd + 15) / 16 * 16, hd_floats = (hd + 15) / 16 * 16;
+  // NormBuffers: row, cw and sw, the weights, the natural cw and sw; 64-byte aligned.
   thread_local std::vector<float> buffer;
-  const std::size_t need = std::size_t(row_floats + 4 * rd_floats + (hd + 15) / 16 * 16 + 16);
+  const std::size_t need = std::size_t(row_floats + 4 * rd_floats + hd_floats + 16);
   if (buffer.size() < need) buffer.assign(need, 0.0f);
   float* row = reinterpret_cast<float*>((reinterpret_cast<std::uintptr_t>(buffer.data()) + 63) &
                                         ~std::uintptr_t(63));
-  const NormBuffers buffers{row, row + row_floats, rd_floats, row + row_floats + 2 * rd_floats,
-                            row + row_floats + 2 * rd_floats + (hd + 15) / 16 * 16};
+  float* cw_sw = row + row_floats;
+  float* weights = cw_sw + 2 * rd_floats;
+  const NormBuffers buffers{row, cw_sw, rd_floats, weights, weights + hd_floats};
   const NormKind kind = classify_norm(r);
   if constexpr (D == DType::bf16 && HasBf16Order<I>) {
     using O = typename I::Bf16Order;
