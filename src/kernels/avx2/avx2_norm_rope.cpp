@@ -3,6 +3,7 @@
 // 16 lanes at a time split into their even and odd lanes, with table rows in even_odd_16 order,
 // as the RoPE kernel's bf16 path does: no vpmovzx to widen, no pack and lane-crossing shuffle to
 // narrow (natural order measured 1.2-1.5x slower on such rows, T = 512 and 4096, 1 thread).
+#include <algorithm>
 #include <cstdint>
 
 #include "../common/norm_rope-inl.hpp"

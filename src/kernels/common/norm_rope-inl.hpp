@@ -215,7 +215,7 @@ struct FoldedRow {
 constexpr int kAccumulators = 4;
 
 template <class I>
-constexpr int kGroupRows = I::kRowsPerVector* kAccumulators;
+constexpr int kGroupRows = (I::kRowsPerVector * kAccumulators);  // rows per pass-1 group
 
 template <DType D>
 using Storage = typename detail::Storage<D>::type;
