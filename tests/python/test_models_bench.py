@@ -94,3 +94,35 @@ def test_save_writes_csv_and_png(tmp_path):
     assert float(lines[0]["torch_ms"]) == 500.0 and float(lines[0]["rome_ms"]) == 400.0
     assert lines[1]["rope_ms_torch"] == ""  # inline RoPE: not measured
     assert lines[2]["error"] == "ValueError: no" and lines[2]["torch_ms"] == ""
+
+
+@pytest.mark.one_isa
+def test_sequence_length_options(monkeypatch):
+    """--seq sets every model's length; --seed-lengths takes each model's SEED_LENGTHS entry
+    times --seq-scale (the models themselves are not built here)."""
+    seen = []
+
+    def fake_row(spec, seq, dtype, repeats, threads):
+        seen.append((spec[0], seq))
+        return {"key": spec[0], "seq": seq}
+
+    monkeypatch.setattr(models, "model_row", fake_row)
+    quiet = dict(threads_list=(1,), only=["llama31_8b", "flux1"], decode=False,
+                 progress=lambda _: None)
+    res = models.run(seed_lengths=True, seq_scale=0.5, **quiet)
+    assert seen == [("llama31_8b", 4096), ("flux1", round(models.SEED_LENGTHS["flux1"] / 2))]
+    assert res["seq_note"] == "the seed's sequence lengths x 0.5"
+    seen.clear()
+    models.run(seq=100, **quiet)
+    assert seen == [("llama31_8b", 100), ("flux1", 100)]
+    seen.clear()
+    models.run(**quiet)
+    assert seen == [("llama31_8b", 256), ("flux1", 256)]
+
+
+@pytest.mark.one_isa
+def test_fp32_columns_say_when_not_run():
+    row = {"torch_error_vs_fp32": None, "rome_error_vs_fp32": None}
+    assert models._fp32_errors(row) == f"not run (S > {models.FP32_CHECK_MAX_SEQ})"
+    row = {"torch_error_vs_fp32": 1e-2, "rome_error_vs_fp32": 2e-2}
+    assert models._fp32_errors(row) == "1.0e-02 / 2.0e-02"
