@@ -3,8 +3,9 @@
 // flags). Bit-identical to the scalar kernel: the same operations in the same order.
 //
 // Pass 1 takes the sums of squares of a group of rows in the contract's order: 4 accumulators,
-// each the 8 partial sums of I::kRowsPerVector rows (AVX2: one row per 8-lane vector; AVX-512:
-// two per 16-lane vector, since a 16-lane accumulator of one row would sum in another order), so
+// each the 8 partial sums of kRowsPerVector rows (AVX2: one row per 8-lane vector; AVX-512: two
+// per 16-lane vector, since a 16-lane accumulator of one row would sum in another order, except
+// f32 rows: its traits' SumSquares<D>, see SumSquaresOf), so
 // the group's fma chains overlap; then 1 / rms of the whole group at once (one row's
 // divide-root-divide chain would hold up its rotation). It also asks for the rows 4 KiB ahead:
 // one core waits on memory with the hardware prefetchers alone (BENCHMARKS.md).
@@ -217,6 +218,20 @@ constexpr int kAccumulators = 4;
 template <class I>
 constexpr int kGroupRows = (I::kRowsPerVector * kAccumulators);  // rows per pass-1 group
 
+// Pass 1's traits for storage type D: I's own, or I::SumSquares<D> where an ISA sums some
+// dtypes another way (AVX-512: f32 rows one per 8-lane vector, see avx512_norm_rope.cpp).
+template <class I, DType D>
+struct SumSquaresOf {
+  using type = I;
+};
+template <class I, DType D>
+requires requires {
+  typename I::template SumSquares<D>;
+}
+struct SumSquaresOf<I, D> {
+  using type = typename I::template SumSquares<D>;
+};
+
 template <DType D>
 using Storage = typename detail::Storage<D>::type;
 
@@ -351,12 +366,13 @@ template <class I, DType D, class L, class O, NormKind K, bool kExact>
                                  const NormParams& norm, FoldedRow<I, O>& folded,
                                  const NormBuffers& buffers) {
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
-  constexpr int kGroup = kGroupRows<I>;
+  using P = typename SumSquaresOf<I, D>::type;
+  constexpr int kGroup = kGroupRows<P>;
   float ss[kGroup] = {}, scales[kGroup];
   for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
     const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
-    sum_squares_rows<I, D>(tile, n0, group, hd, ss);
-    I::inverse_rms(ss, hd, norm.eps, scales);
+    sum_squares_rows<P, D>(tile, n0, group, hd, ss);
+    P::inverse_rms(ss, hd, norm.eps, scales);
     for (int i = 0; i < group; ++i) {
       const std::int64_t n = n0 + i;
       const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
