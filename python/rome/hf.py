@@ -22,6 +22,8 @@
   rotary modules (Qwen2-VL and Qwen2.5-VL sections, Qwen3-VL's interleave) get the same builder on
   their three position axes, each column taken from the axis the module's own
   ``recomposition_frequencies`` selects for it; other rotary modules are listed in ``skipped``.
+  A module whose ``inv_freq`` requires grad, called with grad enabled, runs its own forward (the
+  op gives no gradient for the frequencies), so training sees transformers' tables there.
 
 Results equal transformers' function: same output shapes and dtypes (for Llama's, the promoted
 dtype of q and the tables, as ``q * cos`` gives; for up-casting forms, q's), with the values of

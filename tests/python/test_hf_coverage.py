@@ -26,6 +26,11 @@ import rome.hf
 U32 = 2.0 ** -24
 
 
+def _defines_rope(module) -> bool:
+    return "apply_rotary_pos_emb" in module.__dict__ or \
+        "apply_rotary_pos_emb_interleave" in module.__dict__
+
+
 def _modules_with_rope():
     try:
         import transformers.models as models
@@ -49,8 +54,7 @@ def _modules_with_rope():
                 except Exception:
                     failed.append(f"{package}.{sub.name}")
                     continue
-                if "apply_rotary_pos_emb" in module.__dict__ or \
-                        "apply_rotary_pos_emb_interleave" in module.__dict__:
+                if _defines_rope(module):
                     found.append(module)
     if failed:
         print(f"not importable here ({len(failed)}): {failed}", file=sys.stderr)

@@ -12,12 +12,9 @@ import pytest
 import torch
 
 import rome.hf
-from test_hf_coverage import _as_tuple, _form_of
+from test_hf_coverage import _as_tuple, _defines_rope, _form_of
 
-
-def _defines_rope(module) -> bool:
-    return "apply_rotary_pos_emb" in module.__dict__ or \
-        "apply_rotary_pos_emb_interleave" in module.__dict__
+transformers = pytest.importorskip("transformers")
 
 
 # Whole models: a tiny random-init causal LM of every family transformers can build from its

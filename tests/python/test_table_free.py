@@ -512,6 +512,15 @@ def test_hf_mrope_rotary_module_patched_is_exact(kind):
     cos2, _ = rotary(x, pid)
     assert torch.equal(cos2, cos0)
 
+    # Trainable frequencies with grad on: the module's own forward (the op has no gradient for
+    # them), exactly the unpatched result, gradient included where transformers gives one.
+    rotary.inv_freq.requires_grad_(True)
+    cos3, sin3 = rotary(x, pid)
+    with rome.hf.patch_model(model, warn=False):
+        cos4, sin4 = rotary(x, pid)
+    assert torch.equal(cos4, cos3) and torch.equal(sin4, sin3)
+    assert cos4.requires_grad == cos3.requires_grad
+
 
 # --------------------------------------------------------------------------------------------
 # Property test: random rotations, shapes, broadcasts, dtypes, positions (negative, huge) and

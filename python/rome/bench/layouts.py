@@ -37,6 +37,7 @@ class Variant:
     blocks: List[int] = field(default_factory=list)
     rotary_dim: int = -1
     cache: bool = False  # positions into a [P, 128] cache instead of direct tables
+    table_free: bool = False  # positions and frequencies, no table (rope_from_positions)
     x_dtype: torch.dtype = torch.bfloat16
     table_dtype: torch.dtype = torch.float32
 
@@ -47,6 +48,8 @@ DEFAULT_VARIANTS = [
     Variant("half_3d", "half 3D 44/44/40", "half", [44, 44, 40]),
     Variant("wan_3d", "interleave 3D 44/42/42", "interleave", [44, 42, 42]),
     Variant("positions", "half 1D, positions", "half", cache=True),
+    # The same positions, cos/sin computed in the kernel (no out= form: that column is empty).
+    Variant("table_free", "half 1D, table-free", "half", table_free=True),
     # What transformers' rotary modules and vLLM's cos_sin_cache hand over in a bf16 model.
     Variant("half_bf16_tables", "half 1D, bf16 tables", "half", table_dtype=torch.bfloat16),
 ]
@@ -141,14 +144,20 @@ def make_case(v: Variant, layout: str, tokens: int, heads: int, k_heads: int) ->
 
         cos, sin = cos[:, None], sin[:, None]
     q, k = views(buffer)
+    shape = [1] * (q.dim() - 1)
+    shape[q.dim() - 2 if layout == "bnsd" else (1 if layout == "bsnd" else 0)] = tokens
     if v.cache:
         # Positions into a cache twice as long, in an order that is not a range.
         cache_cos, cache_sin = _tables(v, 2 * tokens)
         perm = torch.randperm(2 * tokens, generator=g)[:tokens]
-        shape = [1] * (q.dim() - 1)
-        shape[q.dim() - 2 if layout == "bnsd" else (1 if layout == "bsnd" else 0)] = tokens
         kwargs["positions"] = perm.view(shape)
         cos, sin = cache_cos, cache_sin
+    if v.table_free:
+        # The same random positions as the cache rows; cos and sin are the frequencies.
+        perm = torch.randperm(2 * tokens, generator=g)[:tokens]
+        kwargs = dict(rotation=v.rotation, positions=perm.view(shape))
+        cos = 1.0 / 500000.0 ** (torch.arange(0, HEAD, 2, dtype=torch.float64) / HEAD)
+        sin = None
     return Case(q, k, cos, sin, kwargs, views, buffer)
 
 
@@ -187,13 +196,26 @@ def measure_cell(case: Case, threads: int, repeats: int, memmove: Memmove) -> Di
     def fresh():
         rome.ops.rope(ops[0], case.k, case.cos, case.sin, **case.kwargs)
 
+    if case.sin is None:  # table-free: case.cos holds the frequencies
+        kw = dict(case.kwargs)
+        positions = kw.pop("positions")
+
+        def inplace():
+            rome.ops.rope_from_positions_(work_q, work_k, positions, case.cos, **kw)
+
+        out_of_place = None
+
+        def fresh():
+            rome.ops.rope_from_positions(ops[0], case.k, positions, case.cos, **kw)
+
     def torch_copy():
         for s, d in zip(ops, outs):
             d.copy_(s)
 
     fns = {"inplace": inplace, "out": out_of_place, "fresh": fresh, "copy": torch_copy,
            "memmove": memmove.copier(nbytes, threads)}
-    t = _median_round_robin(fns, repeats, warmup=2)
+    t = _median_round_robin({k: f for k, f in fns.items() if f is not None}, repeats, warmup=2)
+    t.setdefault("out", None)
     t["floor"] = min(t["copy"], t["memmove"])
     t["bytes"] = nbytes
     return t
@@ -270,7 +292,9 @@ def run(quick: bool = False, full: bool = False, threads_list=(1, 2), repeats: i
 # Report
 
 
-def _ratio(t: float, floor: float) -> str:
+def _ratio(t: Optional[float], floor: float) -> str:
+    if t is None:
+        return "—"
     return f"{t / floor:.2f}x" if floor > 0 else "n/a"
 
 
@@ -293,6 +317,8 @@ def markdown(res: Dict) -> str:
     worst: Dict[Tuple[str, int], float] = {}
     for c in res["cells"]:
         for mode in ("inplace", "out"):
+            if c.get(mode) is None:
+                continue
             key = (c["layout"], c["threads"])
             worst[key] = max(worst.get(key, 0.0), c[mode] / c["floor"])
     lines += ["", "Worst ratio (in place or preallocated out) per layout and thread count: " +

@@ -124,6 +124,12 @@ def _flux1(layers: int):
     return model, "diffusers.models.transformers.transformer_flux"
 
 
+# An inputs dict's entry (removed before the forward): the tokens of the model's self-attention
+# sequence those inputs make (grids round `seq` down to squares; text tokens join where the
+# attention is joint).
+_TOKENS = "_tokens"
+
+
 def _flux_inputs(seq: int, dtype: torch.dtype) -> Dict:
     """seq image tokens (a square latent grid) and seq // 4 text tokens."""
     side = int(seq ** 0.5)
@@ -135,7 +141,8 @@ def _flux_inputs(seq: int, dtype: torch.dtype) -> Dict:
             "encoder_hidden_states": torch.randn(1, text, 4096).to(dtype),
             "pooled_projections": torch.randn(1, 768).to(dtype),
             "timestep": torch.tensor([0.5]).to(dtype), "guidance": torch.tensor([3.5]).to(dtype),
-            "img_ids": img_ids, "txt_ids": torch.zeros(text, 3), "return_dict": False}
+            "img_ids": img_ids, "txt_ids": torch.zeros(text, 3), "return_dict": False,
+            _TOKENS: side * side + text}
 
 
 @contextlib.contextmanager
@@ -177,7 +184,7 @@ def _qwen_image_inputs(seq: int, dtype: torch.dtype) -> Dict:
             "encoder_hidden_states": torch.randn(1, text, 3584).to(dtype),
             "encoder_hidden_states_mask": torch.ones(1, text, dtype=torch.long),
             "timestep": torch.tensor([0.5]).to(dtype), "img_shapes": [(1, side, side)],
-            "return_dict": False}
+            "return_dict": False, _TOKENS: side * side + text}
 
 
 def _patch_qwen_image(model):
@@ -207,7 +214,7 @@ def _wan_inputs(seq: int, dtype: torch.dtype) -> Dict:
     return {"hidden_states": torch.randn(1, 16, 4, 2 * side, 2 * side).to(dtype),
             "timestep": torch.tensor([500]),
             "encoder_hidden_states": torch.randn(1, seq // 4, 4096).to(dtype),
-            "return_dict": False}
+            "return_dict": False, _TOKENS: 4 * side * side}  # the text is cross-attention
 
 
 @contextlib.contextmanager
@@ -246,7 +253,8 @@ def _hunyuan_video_inputs(seq: int, dtype: torch.dtype) -> Dict:
             "encoder_hidden_states": torch.randn(1, text, 4096).to(dtype),
             "encoder_attention_mask": torch.ones(1, text, dtype=torch.long),
             "pooled_projections": torch.randn(1, 768).to(dtype),
-            "guidance": torch.tensor([6000.0]).to(dtype), "return_dict": False}
+            "guidance": torch.tensor([6000.0]).to(dtype), "return_dict": False,
+            _TOKENS: 4 * side * side + text}
 
 
 def _patch_hunyuan_video(model):
@@ -298,14 +306,17 @@ MODELS = [
 ]
 # The seed's sequence lengths (SPEC.md's end-to-end table: tokens per RoPE call) as each model's
 # `seq` argument: FLUX.1-Kontext's 8704 and Qwen-Image's 6032 tokens are seq image tokens plus
-# seq // 4 text tokens here; Wan2.2's 6630 video tokens. Models the seed did not run take their
-# nearest sibling's: Qwen3 and Qwen2-VL Llama's 8192, HunyuanVideo Wan's 6630.
+# seq // 4 text tokens here, Wan2.2's 6630 video tokens; the grids round down to squares, and the
+# table reports the tokens that ran. Models the seed did not run take their nearest sibling's:
+# Qwen3 and Qwen2-VL Llama's 8192, HunyuanVideo Wan's 6630.
 SEED_LENGTHS = {"llama31_8b": 8192, "qwen3_8b": 8192, "qwen2vl_7b": 8192, "flux1": 6963,
                 "qwen_image": 4826, "wan21_1_3b": 6630, "internvl3_8b": 1846,
                 "hunyuan_video": 6630}
 # Above this many tokens the fp32 copy of the model (the error columns) is not run: one fp32 layer
 # at the seed's lengths takes minutes where bf16 has matrix hardware.
 FP32_CHECK_MAX_SEQ = 2048
+# The shortest scaled length: Qwen2-VL's positions hold 16 text tokens and an 8 x 8 image from 81.
+_MIN_SEQ = 81
 
 # Models whose RoPE diffusers computes inline (no function to time): RoPE's share without RoME
 # is not measured (the rotary module's table time alone would understate it).
@@ -376,6 +387,7 @@ def model_row(spec, seq: int, dtype: torch.dtype, repeats: int, threads: int) ->
     model, module_name = build(1)
     model = model.to(dtype).eval()
     inputs = inputs_fn(seq, dtype)
+    tokens = inputs.pop(_TOKENS, seq)
     samples = {"torch": [], "rome": []}
     rope = {}
     with torch.inference_mode():
@@ -413,7 +425,8 @@ def model_row(spec, seq: int, dtype: torch.dtype, repeats: int, threads: int) ->
     scale = reference.float().abs().max().item() or 1.0
     exact_scale = 1.0 if exact is None else (exact.abs().max().item() or 1.0)
     return {
-        "key": key, "title": title, "seq": seq, "dtype": str(dtype).replace("torch.", ""),
+        "key": key, "title": title, "seq": seq, "tokens": tokens,
+        "dtype": str(dtype).replace("torch.", ""),
         "threads": threads, "layers": 1,
         # RoME ran: the patch took and the patched function was called in the forward.
         "patched": bool(rope["rome"]["patched"]) and rope["rome"]["calls"] > 0,
@@ -469,7 +482,7 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
     default_seq = seq or (64 if quick else 256)
 
     def seq_of(key: str) -> int:
-        return max(81, round(SEED_LENGTHS[key] * seq_scale)) if seed_lengths else default_seq
+        return max(_MIN_SEQ, round(SEED_LENGTHS[key] * seq_scale)) if seed_lengths else default_seq
 
     repeats = repeats or (2 if quick else 3)
     threads = max(threads_list)
@@ -479,12 +492,12 @@ def run(quick: bool = False, threads_list=(1, 2), repeats: int = 0,
     try:
         specs = [s for s in MODELS if s[0] in only] if only else (MODELS[:1] if quick else MODELS)
         for spec in specs:
-            seq = seq_of(spec[0])
-            progress(f"models: {spec[1]}, S={seq}, {threads} thread(s)")
+            model_seq = seq_of(spec[0])
+            progress(f"models: {spec[1]}, S={model_seq}, {threads} thread(s)")
             try:
-                rows.append(model_row(spec, seq, dtype, repeats, threads))
+                rows.append(model_row(spec, model_seq, dtype, repeats, threads))
             except Exception as e:  # another library version's API must not stop the benchmark
-                rows.append({"key": spec[0], "title": spec[1], "seq": seq, "threads": threads,
+                rows.append({"key": spec[0], "title": spec[1], "seq": model_seq, "threads": threads,
                              "error": f"{e.__class__.__name__}: {str(e).splitlines()[0][:200]}"})
         layers = 1 if quick else 2  # --quick (CI): one layer, as building the weights dominates
         decode_res = None
@@ -514,7 +527,7 @@ def markdown(res: Dict, png_name: Optional[str] = None) -> str:
         f"config, random init, vocabulary cut to {VOCAB}; {res['dtype'].replace('torch.', '')}; "
         f"{res.get('seq_note', 'S as given')})",
         "",
-        "| model | S | threads | forward without RoME | with RoME | speed-up | RoPE's share "
+        "| model | tokens | threads | forward without RoME | with RoME | speed-up | RoPE's share "
         "(without) | RoPE time without / with | max diff with vs without (rel.) | error vs fp32 model: "
         "without / with | patched |",
         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
@@ -528,7 +541,7 @@ def markdown(res: Dict, png_name: Optional[str] = None) -> str:
         share = "inline, not timed" if inline else f"{r['rope_share_torch'] * 100:.2f}%"
         rope_torch = "n/a" if inline else f"{r['rope_s_torch'] * 1e3:.2f}"
         lines.append(
-            f"| {r['title']} | {r['seq']} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
+            f"| {r['title']} | {r.get('tokens', r['seq'])} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
             f"{r['rome_s'] * 1e3:.1f} ms | {r['speedup_pct']:+.1f}% | {share} | {rope_torch} / "
             f"{r['rope_s_rome'] * 1e3:.2f} ms | {r['max_rel_diff']:.1e} | "
             f"{_fp32_errors(r)} | "
@@ -551,7 +564,7 @@ def markdown(res: Dict, png_name: Optional[str] = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-CSV_FIELDS = ["key", "title", "seq", "dtype", "threads", "layers", "patched", "torch_ms", "rome_ms",
+CSV_FIELDS = ["key", "title", "seq", "tokens", "dtype", "threads", "layers", "patched", "torch_ms", "rome_ms",
               "speedup_pct", "rope_share_torch", "rope_ms_torch", "rope_ms_rome", "max_rel_diff",
               "torch_error_vs_fp32", "rome_error_vs_fp32", "error"]
 
@@ -596,10 +609,11 @@ def write_png(res: Dict, path: Path) -> None:
     ax.grid(axis="x", alpha=0.3)
     ax.set_axisbelow(True)
     ax.margins(x=0.12)
-    seq = rows[0]["seq"] if rows else "?"
+    lengths = {r["seq"] for r in rows}
+    seq = f"S={lengths.pop()}" if len(lengths) == 1 else "S per model"
     threads = rows[0]["threads"] if rows else "?"
     ax.set_title(f"Real models with and without RoME — {res['isa']}, "
-                 f"{res['dtype'].replace('torch.', '')}, S={seq}, {threads} thread(s)", fontsize=10)
+                 f"{res['dtype'].replace('torch.', '')}, {seq}, {threads} thread(s)", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -641,6 +655,10 @@ def main(argv=None) -> int:
                    help="with --seed-lengths: scale every length (e.g. 0.25 on a slow CPU)")
     p.add_argument("--out", default="bench-results", help="output directory")
     args = p.parse_args(argv)
+    if args.seq and args.seed_lengths:
+        p.error("--seq and --seed-lengths choose the length two ways: give one")
+    if args.seq_scale != 1.0 and not args.seed_lengths:
+        p.error("--seq-scale scales --seed-lengths: give both")
     import os
 
     threads = args.threads or len(os.sched_getaffinity(0))

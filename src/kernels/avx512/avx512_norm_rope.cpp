@@ -1,9 +1,10 @@
 // AVX-512 QK-norm + rotation (NormForwardFn): common/norm_rope-inl.hpp over 16-lane traits, table
 // rows in natural order. Pass 1 sums two bf16 or f16 rows per vector (lanes 0-7 one row's 8 partial
 // sums, 8-15 the other's): a 16-lane accumulator of one row would sum in another order. f32 rows
-// take AVX2's one row per 8-lane accumulator (Avx512NormOneRow): 1.2x slower than the pairs on
-// bf16 rows at T = 512, 0.8x on f32 rows at T = 4096. bf16 rows are narrowed by integer rounding,
-// or by vcvtneps2bf16 in the table of a CPU with AVX512-BF16 (avx512_lanes.hpp's NarrowBf16Insn).
+// take AVX2's one row per 8-lane accumulator (Avx512NormOneRow): that order took 0.8x the time of
+// the pairs on f32 rows at T = 4096 but 1.2x on bf16 rows at T = 512, so f32 only. bf16 rows are
+// narrowed by integer rounding, or by vcvtneps2bf16 in the table of a CPU with AVX512-BF16
+// (avx512_lanes.hpp's NarrowBf16Insn).
 #include <cstdint>
 #include <type_traits>
 

@@ -3,12 +3,12 @@
 // flags). Bit-identical to the scalar kernel: the same operations in the same order.
 //
 // Pass 1 takes the sums of squares of a group of rows in the contract's order: 4 accumulators,
-// each the 8 partial sums of kRowsPerVector rows (AVX2: one row per 8-lane vector; AVX-512: two
-// per 16-lane vector, since a 16-lane accumulator of one row would sum in another order, except
-// f32 rows: its traits' SumSquares<D>, see SumSquaresOf), so
-// the group's fma chains overlap; then 1 / rms of the whole group at once (one row's
-// divide-root-divide chain would hold up its rotation). It also asks for the rows 4 KiB ahead:
-// one core waits on memory with the hardware prefetchers alone (BENCHMARKS.md).
+// each the 8 partial sums of kRowsPerVector rows, so the group's fma chains overlap (AVX2: one row
+// per 8-lane vector; AVX-512: two per 16-lane vector, since a 16-lane accumulator of one row
+// would sum in another order, but f32 rows one per 8-lane vector: SumSquares<D>, SumSquaresOf);
+// then 1 / rms of the whole group at once (one row's divide-root-divide chain would hold up its
+// rotation). For rows of up to 1 KiB it also asks for the bytes 4 KiB ahead: one core waits on
+// memory with the hardware prefetchers alone (BENCHMARKS.md).
 // Pass 2 reads each row again from L1 (no buffer) and forms r·(x_a·C' + x_b·S') with the weight
 // folded into the table row once per table row (FoldedRow: the fused executor hands one table row
 // to every head of a token). It has vector loops for half rotations whose half is whole chunks
@@ -115,7 +115,8 @@ struct NaturalOrder {
   static ROME_INLINE Chunk load_weights(const float* w, std::int64_t n) {
     return {{I::load_floats(w, I::lanes(n))}};
   }
-  // Lanes that are not inf or NaN, and any lanes.
+  // store_finite: every lane finite (the vector loop's rows), so no NaN-aware narrowing; store:
+  // the first n lanes.
   static ROME_INLINE void store_finite(T* y, const Chunk& c) { L::store(y, c.v[0]); }
   static ROME_INLINE void store(T* y, const Chunk& c, std::int64_t n) {
     L::store(y, c.v[0], I::lanes(n));
@@ -151,12 +152,12 @@ struct FoldedRow {
   // A local of each call (its table rows may sit where the last call's did), not a thread_local:
   // members read through TLS cost a vzeroupper and a reload per row.
   FoldedRow(float* cw_sw, std::int64_t sw_offset, const float* w, const RotationData& r, NormKind k,
-            bool vector)
+            bool vector_fold_rows)
       : cw(cw_sw),
         sw(cw_sw + sw_offset),
         weights(w),
         kind(k),
-        vector_fold(vector),
+        vector_fold(vector_fold_rows),
         head_dim(r.head_dim) {}
 
   ROME_INLINE void update(const RotationData& r, const float* c, const float* s,
@@ -366,13 +367,13 @@ template <class I, DType D, class L, class O, NormKind K, bool kExact>
                                  const NormParams& norm, FoldedRow<I, O>& folded,
                                  const NormBuffers& buffers) {
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
-  using P = typename SumSquaresOf<I, D>::type;
-  constexpr int kGroup = kGroupRows<P>;
+  using Pass1 = typename SumSquaresOf<I, D>::type;
+  constexpr int kGroup = kGroupRows<Pass1>;
   float ss[kGroup] = {}, scales[kGroup];
   for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
     const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
-    sum_squares_rows<P, D>(tile, n0, group, hd, ss);
-    P::inverse_rms(ss, hd, norm.eps, scales);
+    sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
+    Pass1::inverse_rms(ss, hd, norm.eps, scales);
     for (int i = 0; i < group; ++i) {
       const std::int64_t n = n0 + i;
       const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
@@ -421,7 +422,8 @@ void forward_norm(const RotationData& r, const ForwardTile& tile, const NormPara
   constexpr std::int64_t kW = I::kLanes;
   const std::int64_t row_floats = (hd + kW - 1) / kW * kW;
   const std::int64_t rd_floats = (rd + 15) / 16 * 16, hd_floats = (hd + 15) / 16 * 16;
-  // NormBuffers: row, cw and sw, the weights, the natural cw and sw; 64-byte aligned.
+  // NormBuffers: row (64-byte aligned), cw and sw, the weights, the natural cw and sw (all read
+  // and written unaligned).
   thread_local std::vector<float> buffer;
   const std::size_t need = std::size_t(row_floats + 4 * rd_floats + hd_floats + 16);
   if (buffer.size() < need) buffer.assign(need, 0.0f);
