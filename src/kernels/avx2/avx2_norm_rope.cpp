@@ -7,6 +7,7 @@
 #include <cstdint>
 
 #include "../common/norm_rope-inl.hpp"
+#include "../common/norm_rows_8lane-inl.hpp"
 #include "../kernel_api.hpp"
 #include "avx2_lanes.hpp"
 
@@ -19,12 +20,10 @@ using namespace norm_rope;
 
 struct Bf16EvenOdd;
 
-struct Avx2Norm {
-  using F = __m256;
+struct Avx2Norm : OneRowPer8Lanes {
   using Count = int;
   using Bf16Order = Bf16EvenOdd;
   static constexpr int kLanes = kW;
-  static constexpr int kRowsPerVector = 1;
 
   static ROME_INLINE Count lanes(std::int64_t n) { return n < kW ? int(n) : kW; }
   static ROME_INLINE F loadu(const float* p) { return _mm256_loadu_ps(p); }
@@ -32,11 +31,9 @@ struct Avx2Norm {
     return Lanes<DType::f32>::load(p, n);
   }
   static ROME_INLINE void storeu(float* p, F v) { _mm256_storeu_ps(p, v); }
-  static ROME_INLINE F set1(float v) { return _mm256_set1_ps(v); }
   static ROME_INLINE F add(F a, F b) { return _mm256_add_ps(a, b); }
   static ROME_INLINE F sub(F a, F b) { return _mm256_sub_ps(a, b); }
   static ROME_INLINE F mul(F a, F b) { return _mm256_mul_ps(a, b); }
-  static ROME_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static ROME_INLINE F max(F a, F b) { return _mm256_max_ps(a, b); }
   static ROME_INLINE F abs(F v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
   static ROME_INLINE bool any_not_finite(F v) {
@@ -67,20 +64,6 @@ struct Avx2Norm {
   static ROME_INLINE EvenOdd split_rows_bf16(const std::uint16_t* const* x, std::int64_t j) {
     return split_bf16(x[0] + j);
   }
-  static ROME_INLINE void reduce_rows(F acc, float* ss) {
-    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    *ss = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
-  }
-  // 1 / sqrt(ss / hd + eps) of the group's 4 rows, the scalar kernel's operations lane by lane.
-  static ROME_INLINE void inverse_rms(const float* ss, std::int64_t hd, float eps, float* scale) {
-    _mm_storeu_ps(
-        scale,
-        _mm_div_ps(_mm_set1_ps(1.0f),
-                   _mm_sqrt_ps(_mm_add_ps(_mm_div_ps(_mm_loadu_ps(ss), _mm_set1_ps(float(hd))),
-                                          _mm_set1_ps(eps)))));
-  }
-  static ROME_INLINE void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
 };
 // bf16 rows, 16 lanes a chunk: its 8 even lanes, then its 8 odd ones.
 struct Bf16EvenOdd {

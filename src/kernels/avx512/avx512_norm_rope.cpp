@@ -9,6 +9,7 @@
 #include <type_traits>
 
 #include "../common/norm_rope-inl.hpp"
+#include "../common/norm_rows_8lane-inl.hpp"
 #include "../kernel_api.hpp"
 #include "avx512_lanes.hpp"
 
@@ -22,31 +23,12 @@ using namespace norm_rope;
 // Pass 1 of f32 rows: one row per 8-lane accumulator (AVX2's order, 4 rows a group). Two rows
 // per 16-lane vector cost f32 rows a vinsertf32x8 per load; one row per 8 lanes was 0.8x the time
 // at T = 4096 (bf16 rows, split by a shift and a mask, keep the pairs: 1.2x slower this way).
-struct Avx512NormOneRow {
-  using F = __m256;
-  static constexpr int kRowsPerVector = 1;
-
-  static ROME_INLINE F set1(float v) { return _mm256_set1_ps(v); }
-  static ROME_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+struct Avx512NormOneRow : OneRowPer8Lanes {
   template <DType D>
   static ROME_INLINE F load_rows(const float* const* x, std::int64_t j, std::int64_t n) {
     static_assert(D == DType::f32);
     return _mm256_maskz_loadu_ps(n >= 8 ? __mmask8(0xff) : __mmask8((1u << n) - 1), x[0] + j);
   }
-  static ROME_INLINE void reduce_rows(F acc, float* ss) {
-    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 u = _mm_add_ps(t, _mm_movehl_ps(t, t));
-    *ss = _mm_cvtss_f32(_mm_add_ss(u, _mm_shuffle_ps(u, u, 1)));
-  }
-  // 1 / sqrt(ss / hd + eps) of the group's 4 rows, the scalar kernel's operations lane by lane.
-  static ROME_INLINE void inverse_rms(const float* ss, std::int64_t hd, float eps, float* scale) {
-    _mm_storeu_ps(
-        scale,
-        _mm_div_ps(_mm_set1_ps(1.0f),
-                   _mm_sqrt_ps(_mm_add_ps(_mm_div_ps(_mm_loadu_ps(ss), _mm_set1_ps(float(hd))),
-                                          _mm_set1_ps(eps)))));
-  }
-  static ROME_INLINE void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
 };
 static_assert(kGroupRows<Avx512NormOneRow> == 4, "inverse_rms takes 4 rows");
 
