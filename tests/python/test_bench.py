@@ -55,6 +55,15 @@ def test_files_written(quick_run, isa):
         lines = list(csv.DictReader(f))
     assert {r["row"] for r in lines} == set(ROWS)
     assert {r["method"] for r in lines} >= {"small", "matrix", "rome", "floor"}
+    layouts = json.loads((out / "layouts.json").read_text())["cells"]
+    # Every default variant on every layout; table-free has no out= form (its column is empty).
+    assert {(c["variant"], c["layout"]) for c in layouts} >= {
+        ("table_free", "bnsd"), ("table_free", "bsnd"), ("table_free", "packed"),
+        ("positions", "packed"), ("half", "bnsd")}
+    for c in layouts:
+        assert c["inplace"] > 0 and c["fresh"] > 0 and c["floor"] > 0, c
+        assert (c["out"] is None) == (c["variant"] == "table_free"), c
+    assert "| half 1D, table-free | packed |" in (out / "layouts.md").read_text()
     varlen = (out / "varlen_kv.md").read_text()
     assert "RoME varlen (cu_seqlens)" in varlen and "rerotate_ paged" in varlen
     fused = (out / "fused.md").read_text()
