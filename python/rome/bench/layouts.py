@@ -187,16 +187,7 @@ def measure_cell(case: Case, threads: int, repeats: int, memmove: Memmove) -> Di
     work_q, work_k = case.views(case.buffer.clone())
     k_out = outs[1] if case.k is not None else None
 
-    def inplace():
-        rome.ops.rope_(work_q, work_k, case.cos, case.sin, **case.kwargs)
-
-    def out_of_place():
-        rome.ops.rope(ops[0], case.k, case.cos, case.sin, out=(outs[0], k_out), **case.kwargs)
-
-    def fresh():
-        rome.ops.rope(ops[0], case.k, case.cos, case.sin, **case.kwargs)
-
-    if case.sin is None:  # table-free: case.cos holds the frequencies
+    if case.sin is None:  # table-free: case.cos holds the frequencies; no out= form
         kw = dict(case.kwargs)
         positions = kw.pop("positions")
 
@@ -207,6 +198,15 @@ def measure_cell(case: Case, threads: int, repeats: int, memmove: Memmove) -> Di
 
         def fresh():
             rome.ops.rope_from_positions(ops[0], case.k, positions, case.cos, **kw)
+    else:
+        def inplace():
+            rome.ops.rope_(work_q, work_k, case.cos, case.sin, **case.kwargs)
+
+        def out_of_place():
+            rome.ops.rope(ops[0], case.k, case.cos, case.sin, out=(outs[0], k_out), **case.kwargs)
+
+        def fresh():
+            rome.ops.rope(ops[0], case.k, case.cos, case.sin, **case.kwargs)
 
     def torch_copy():
         for s, d in zip(ops, outs):

@@ -20,9 +20,8 @@ using detail::RotationData;
 using namespace avx512;
 using namespace norm_rope;
 
-// Pass 1 of f32 rows: one row per 8-lane accumulator (AVX2's order, 4 rows a group). Two rows
-// per 16-lane vector cost f32 rows a vinsertf32x8 per load; one row per 8 lanes was 0.8x the time
-// at T = 4096 (bf16 rows, split by a shift and a mask, keep the pairs: 1.2x slower this way).
+// Pass 1 of f32 rows (see the top of the file): two rows per 16-lane vector cost each f32 load a
+// vinsertf32x8.
 struct Avx512NormOneRow : OneRowPer8Lanes {
   template <DType D>
   static ROME_INLINE F load_rows(const float* const* x, std::int64_t j, std::int64_t n) {
@@ -63,21 +62,17 @@ struct Avx512Norm {
     return avx512::combine_exact_product(xa, c, xb, s);
   }
 
-  // Lanes [j, j + n) of two rows (n <= 8; zeros past n), the first row's in lanes 0-7.
+  // Lanes [j, j + n) of two 16-bit rows (n <= 8; zeros past n), the first row's in lanes 0-7
+  // (f32 rows sum in Avx512NormOneRow).
   template <DType D>
   static ROME_INLINE F load_rows(const Storage<D>* const* x, std::int64_t j, std::int64_t n) {
+    static_assert(D != DType::f32);
     const __mmask8 m = n >= 8 ? __mmask8(0xff) : __mmask8((1u << n) - 1);
-    if constexpr (D == DType::f32) {
-      const __m256 lo = _mm256_maskz_loadu_ps(m, x[0] + j);
-      const __m256 hi = _mm256_maskz_loadu_ps(m, x[1] + j);
-      return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-    } else {
-      const __m128i lo = _mm_maskz_loadu_epi16(m, x[0] + j);
-      const __m128i hi = _mm_maskz_loadu_epi16(m, x[1] + j);
-      const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
-      if constexpr (D == DType::f16) return _mm512_cvtph_ps(both);
-      return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
-    }
+    const __m128i lo = _mm_maskz_loadu_epi16(m, x[0] + j);
+    const __m128i hi = _mm_maskz_loadu_epi16(m, x[1] + j);
+    const __m256i both = _mm256_inserti128_si256(_mm256_castsi128_si256(lo), hi, 1);
+    if constexpr (D == DType::f16) return _mm512_cvtph_ps(both);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(both), 16));
   }
   // One 16-lane chunk of two rows: even lanes by a shift, odd lanes by a mask, no shuffle.
   struct EvenOdd {
