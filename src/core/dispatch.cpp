@@ -229,10 +229,11 @@ ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept {
   const kernels::KernelTable& table = active_kernels();
   if (rotation.kind() == Rotation::Kind::dense)
     return {table.forward_dense ? table.forward_dense : kernels::scalar_kernels().forward_dense,
-            kernels::TableLayout::natural};
-  return {table.forward_permute, table.permute_table_layout
-                                     ? table.permute_table_layout(rotation.data(), dtype)
-                                     : kernels::TableLayout::natural};
+            kernels::TableLayout::natural, false};
+  return {table.forward_permute,
+          table.permute_table_layout ? table.permute_table_layout(rotation.data(), dtype)
+                                     : kernels::TableLayout::natural,
+          true};
 }
 
 }  // namespace detail

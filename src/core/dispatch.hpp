@@ -24,6 +24,7 @@ const kernels::KernelTable& active_kernels() noexcept;
 struct ForwardKernel {
   kernels::ForwardFn fn;
   kernels::TableLayout layout;
+  bool token_runs;  // takes tiles of several tokens (ForwardTile::tokens): the permute kernels
 };
 ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept;
 

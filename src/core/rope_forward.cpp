@@ -28,6 +28,8 @@ using kernels::ForwardTile;
 // the work (a decode step is a few KiB).
 constexpr std::int64_t kParallelBytes = 64 * 1024;
 constexpr std::int64_t kMaxAutoTileTokens = 512;
+// Heads per token from which a permute kernel walks a tile token by token, whatever the layout.
+constexpr std::int64_t kTokenMajorRows = 4;
 
 // Grows on demand, 64-byte aligned, never shrinks: no allocation once warm.
 class TileBuffer {
@@ -78,6 +80,7 @@ struct Executor {
   std::int64_t table_stride;  // floats per prepared table row
   kernels::TableLayout layout;
   bool large_output;  // larger than 3/4 of one thread's share of the L3: stream it
+  bool token_runs;    // the kernel takes several tokens per call
   kernels::TableValues table_values;
 
   std::int64_t items() const { return plan->outer_total / line_length * tiles_per_line * parts; }
@@ -89,13 +92,19 @@ struct Executor {
               std::int64_t row_end, const float* cos, const float* sin) const;
 };
 
-// Whether the operand's rows go to the kernel one head at a time over the tile's tokens (heads
-// further apart than tokens: BNSD-like), rather than one token at a time over its heads.
+// Whether the operand's rows go to the kernel one head at a time over the tile's tokens, rather
+// than one token at a time over its heads. Token by token, a token's table row serves all its
+// heads from L1; head by head, every row reads its table row from L2 again, for a permute kernel
+// the larger part of the traffic (a 1 KiB fp32 row against 256 bytes of bf16 x). So permute
+// kernels go token by token from kTokenMajorRows heads on, BNSD too (seed tensor in place, 1
+// thread: 1.21-1.39x -> 0.91-1.16x the copy; BENCHMARKS.md). Dense kernels, and few heads, keep
+// the long run: heads further apart than tokens (BNSD-like) go head by head.
 bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
+  if (tokens <= 1 || op.inner.count == 0) return tokens > 1;
+  if (token_runs && op.inner.rows >= kTokenMajorRows) return false;
   const int last = plan->outer_count - 1;
   const std::int64_t token_in = last >= 0 ? op.outer_in[last] : 0;
-  return tokens > 1 && (op.inner.count == 0 ||
-                        std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]));
+  return std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]);
 }
 
 // q and k both token-major with the same token stride (in and out): rows of one buffer, as the
@@ -151,10 +160,28 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
     });
     return;
   }
-  // One call per token and run of heads, all on the token's table row.
+  // Each token's runs of heads on the token's table row: a permute kernel takes every token of
+  // a run in one call.
   const int inner_last = op.inner.count - 1;
   tile.x_step = inner_last >= 0 ? op.inner.in_stride[inner_last] * es : 0;
   tile.y_step = inner_last >= 0 ? op.inner.out_stride[inner_last] * es : 0;
+  if (token_runs) {
+    tile.tokens = token_end - token_begin;
+    tile.x_token_step = token_in * es;
+    tile.y_token_step = token_out * es;
+    tile.table_token_step = table_stride;
+    tile.cos = cos + token_begin * table_stride;
+    tile.sin = sin + token_begin * table_stride;
+    const std::int64_t in_t = in0 + token_begin * token_in, out_t = out0 + token_begin * token_out;
+    detail::walk_runs(op.inner, row_begin, row_end,
+                      [&](std::int64_t in, std::int64_t out, std::int64_t length) {
+                        tile.x = op.in_base + (in_t + in) * es;
+                        tile.y = op.out_base + (out_t + out) * es;
+                        tile.count = length;
+                        kernel(*p.rotation, tile);
+                      });
+    return;
+  }
   for (std::int64_t t = token_begin; t < token_end; ++t) {
     tile.cos = cos + t * table_stride;
     tile.sin = sin + t * table_stride;
@@ -251,6 +278,7 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   ex.plan = &plan;
   ex.kernel = kernel.fn;
   ex.layout = kernel.layout;
+  ex.token_runs = kernel.token_runs;
   ex.line_length = plan.outer_count > 0 ? plan.outer_size[plan.outer_count - 1] : 1;
   const std::int64_t lines = plan.outer_total / ex.line_length;
   ex.table_stride = (rotation.rotary_dim() + 15) / 16 * 16;

@@ -30,6 +30,12 @@ struct ForwardTile {
   char* y;
   std::int64_t x_step, y_step;
   std::int64_t count;
+  // Permute kernels take a run of tokens per call: `tokens` runs of `count` rows, run t at
+  // x + t·x_token_step (y and the table rows likewise). One call instead of one per token keeps
+  // the kernel's per-call setup off token-major tiles. Dense kernels are handed one token
+  // (detail::ForwardKernel::token_runs says which).
+  std::int64_t tokens = 1;
+  std::int64_t x_token_step = 0, y_token_step = 0, table_token_step = 0;
   DType dtype;               // of x and y
   bool copy_passthrough;     // out of place: copy lanes [rotary_dim, head_dim) from x to y
   bool stream;               // non-temporal stores where rows are aligned (never set in place)
@@ -39,6 +45,16 @@ struct ForwardTile {
   void* y_row(std::int64_t n) const { return y + n * y_step; }
   const float* cos_row(std::int64_t n) const { return cos + n * table_step; }
   const float* sin_row(std::int64_t n) const { return sin + n * table_step; }
+  // Token t's run of rows, as a one-token tile.
+  ForwardTile token(std::int64_t t) const {
+    ForwardTile one = *this;
+    one.tokens = 1;
+    one.x += t * x_token_step;
+    one.y += t * y_token_step;
+    one.cos += t * table_token_step;
+    one.sin += t * table_token_step;
+    return one;
+  }
 };
 
 // Permute kernels: a 16-bit x times a 16-bit table value is exact in fp32 (at most 11 + 11

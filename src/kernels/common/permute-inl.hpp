@@ -150,14 +150,17 @@ ROME_INLINE void put(const W& w, bool stream, typename L::T* y, std::int64_t v, 
     L::store(y + W::I::kLanes * v, out, lanes_of(w, v));
 }
 
-// Runs body(row, stream) on every row of the tile (stream: streaming_row), then copies the row's
-// pass-through lanes.
+// Runs body(row, stream) on every row of every token of the tile (stream: streaming_row), then
+// copies the row's pass-through lanes.
 template <class L, class W, class Body>
 ROME_INLINE void for_rows(const W& w, const ForwardTile& tile, Body body) {
-  for (std::int64_t n = 0; n < tile.count; ++n) {
-    const Row<L> row = row_of<L>(w, tile, n);
-    body(row, streaming_row<L>(w, row.y));
-    pass_through<L>(w, row.x, row.y);
+  for (std::int64_t t = 0; t < tile.tokens; ++t) {
+    const ForwardTile run = tile.token(t);
+    for (std::int64_t n = 0; n < run.count; ++n) {
+      const Row<L> row = row_of<L>(w, run, n);
+      body(row, streaming_row<L>(w, row.y));
+      pass_through<L>(w, row.x, row.y);
+    }
   }
 }
 
@@ -376,7 +379,7 @@ template <class P, class Build, class Rows>
 ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Build build,
                               Rows rows) {
   using I = typename P::Isa;
-  if (tile.count <= 0) return;
+  if (tile.count <= 0 || tile.tokens <= 0) return;
   Work<P> w = work_for<P>(r);
   w.pass = tile.copy_passthrough && w.hd > w.rd;
   w.stream = tile.stream;

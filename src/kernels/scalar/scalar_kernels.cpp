@@ -20,7 +20,7 @@ using detail::RotationData;
 
 // The tile's tables carry the signs of A and B, so a lane only reads its source (or nothing).
 template <DType D>
-void forward_permute(const RotationData& r, const ForwardTile& tile) {
+void forward_permute_run(const RotationData& r, const ForwardTile& tile) {
   using T = typename detail::Storage<D>::type;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   thread_local std::vector<float> row;
@@ -41,6 +41,11 @@ void forward_permute(const RotationData& r, const ForwardTile& tile) {
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
+}
+
+template <DType D>
+void forward_permute(const RotationData& r, const ForwardTile& tile) {
+  for (std::int64_t t = 0; t < tile.tokens; ++t) forward_permute_run<D>(r, tile.token(t));
 }
 
 template <DType D>
