@@ -165,9 +165,9 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   const int inner_last = op.inner.count - 1;
   tile.x_step = inner_last >= 0 ? op.inner.in_stride[inner_last] * es : 0;
   tile.y_step = inner_last >= 0 ? op.inner.out_stride[inner_last] * es : 0;
+  tile.x_token_step = token_in * es;  // also where a one-token call's kernel prefetches
   if (token_runs) {
     tile.tokens = token_end - token_begin;
-    tile.x_token_step = token_in * es;
     tile.y_token_step = token_out * es;
     tile.table_token_step = table_stride;
     tile.cos = cos + token_begin * table_stride;

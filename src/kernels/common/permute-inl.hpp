@@ -97,16 +97,28 @@ Work<P> work_for(const RotationData& r) {
 template <class L>
 using Row = TileRow<typename L::T>;
 
-// Row n, and a prefetch of the x bytes 4 KiB further along the stream: one core stalled on x's
-// loads with only the hardware prefetchers (AVX-512, seed tensor in place, 1 thread: 32.2 -> 27.7
-// ms; BENCHMARKS.md). An address, not a row ahead in the tile: token-major calls hold one token's
-// heads, and the next token's rows follow them. Prefetches never fault, so the address may lie
-// past the tensor. Rows over 1 KiB are long runs the prefetchers follow alone.
+// How far ahead of a row its x bytes are asked for: 4 KiB further along the walk through memory
+// (one core stalled on x's loads with only the hardware prefetchers; AVX-512, seed tensor in
+// place, 1 thread: 32.2 -> 27.7 ms; BENCHMARKS.md). That is along the rows when a tile's tokens
+// follow each other without gaps; else whole tokens (at least 4 KiB), so that the same head of
+// a later token is asked for: 4 KiB further along a packed qkv token lands on its v heads, which
+// nobody reads.
+ROME_INLINE std::int64_t prefetch_distance(const ForwardTile& tile) {
+  constexpr std::int64_t kBytes = 4096;
+  const std::int64_t step = tile.x_token_step;
+  if (step == 0 || step == tile.count * tile.x_step) return tile.x_step < 0 ? -kBytes : kBytes;
+  const std::int64_t bytes = step < 0 ? -step : step;
+  return step * ((kBytes + bytes - 1) / bytes);
+}
+
+// Row n, and a prefetch of its x bytes `ahead` bytes further along. Prefetches never fault, so
+// the address may lie past the tensor. Rows over 1 KiB are long runs the prefetchers follow
+// alone.
 template <class L, class W>
-ROME_INLINE Row<L> row_of(const W& w, const ForwardTile& tile, std::int64_t n) {
+ROME_INLINE Row<L> row_of(const W& w, const ForwardTile& tile, std::int64_t n, std::int64_t ahead) {
   const std::int64_t bytes = w.hd * std::int64_t(sizeof(typename L::T));
   if (bytes <= 1024) {
-    const char* next = static_cast<const char*>(tile.x_row(n)) + (tile.x_step < 0 ? -4096 : 4096);
+    const char* next = static_cast<const char*>(tile.x_row(n)) + ahead;
     for (std::int64_t b = 0; b < bytes; b += 64) W::I::prefetch(next + b);
   }
   return tile_row<typename L::T>(tile, n);
@@ -154,10 +166,11 @@ ROME_INLINE void put(const W& w, bool stream, typename L::T* y, std::int64_t v, 
 // copies the row's pass-through lanes.
 template <class L, class W, class Body>
 ROME_INLINE void for_rows(const W& w, const ForwardTile& tile, Body body) {
+  const std::int64_t ahead = prefetch_distance(tile);
   for (std::int64_t t = 0; t < tile.tokens; ++t) {
     const ForwardTile run = tile.token(t);
     for (std::int64_t n = 0; n < run.count; ++n) {
-      const Row<L> row = row_of<L>(w, run, n);
+      const Row<L> row = row_of<L>(w, run, n, ahead);
       body(row, streaming_row<L>(w, row.y));
       pass_through<L>(w, row.x, row.y);
     }
