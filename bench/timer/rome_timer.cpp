@@ -18,6 +18,8 @@
 //   --k B,N,S,D         optional second operand (GQA: fewer heads), rotated in the same call
 //   --cache P           tables are a [P, D] cache gathered by int64 positions P-S .. P-1
 //                       (default: direct tables [S, D], broadcast over the leading axes)
+//   --shuffle-positions with --cache: S distinct positions in random order instead (every
+//                       cache row a random read, as in the layout study's positions rows)
 //   --dtype bf16|f16|f32          x's dtype (default bf16)
 //   --table-dtype f32|bf16|f16    table dtype (default f32)
 //   --threads N         threads for RoME and for the copy (default: RoME's default)
@@ -43,6 +45,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <random>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -188,7 +191,8 @@ int usage(const char* why) {
   std::fprintf(
       stderr,
       "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
-      "[--blocks a,b,..] [--cache P] [--dtype bf16] [--table-dtype f32] [--threads N] "
+      "[--blocks a,b,..] [--cache P [--shuffle-positions]] [--dtype bf16] [--table-dtype f32] "
+      "[--threads N] "
       "[--tile-tokens T] "
       "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--qk-norm] [--force-dense] "
       "[--matrix-dtype f32|bf16] [--isa NAME]\n",
@@ -205,7 +209,7 @@ int main(int argc, char** argv) {
   DType dtype = DType::bf16, table_dtype = DType::f32, matrix_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0;
-  bool in_place = false, force_dense = false, qk_norm = false, bsnd = false;
+  bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -243,6 +247,8 @@ int main(int argc, char** argv) {
         in_place = true;
       else if (a == "--bsnd")
         bsnd = true;
+      else if (a == "--shuffle-positions")
+        shuffle = true;
       else if (a == "--qk-norm")
         qk_norm = in_place = true;
       else if (a == "--force-dense")
@@ -326,6 +332,12 @@ int main(int argc, char** argv) {
     std::vector<std::int64_t> positions(std::size_t(cache > 0 ? seq : 0));
     for (std::int64_t s = 0; s < std::int64_t(positions.size()); ++s)
       positions[s] = cache - seq + s;
+    if (shuffle) {
+      std::vector<std::int64_t> all(static_cast<std::size_t>(cache));
+      for (std::int64_t p = 0; p < cache; ++p) all[std::size_t(p)] = p;
+      std::shuffle(all.begin(), all.end(), std::mt19937_64(1));
+      std::copy_n(all.begin(), positions.size(), positions.begin());
+    }
 
     rome::Tables tables;
     // qk_norm_rope's tables vary along T only: direct [T, 1, rd], or positions [T, 1].
