@@ -229,6 +229,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
     tile.x = static_cast<const char*>(v.data) + t * v.strides[0] * es;
     tile.y = static_cast<char*>(v.data) + t * v.strides[0] * es;
     tile.x_step = tile.y_step = v.strides[1] * es;
+    tile.x_token_step = v.strides[0] * es;  // where the kernels prefetch the next tokens' rows
     tile.count = v.shape[1];
     tile.dtype = dtype;
     tile.table_values = table_values;

@@ -270,12 +270,14 @@ void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::i
   constexpr int R = I::kRowsPerVector;
   const Storage<D>* x[kGroupRows<I>];
   for (int i = 0; i < count; ++i) x[i] = static_cast<const Storage<D>*>(tile.x_row(n + i));
-  // An address 4 KiB along the stream, not a row ahead in the tile (token-major calls hold one
-  // token's heads); rows over 1 KiB are long runs the prefetchers follow alone.
+  // An address along the walk through memory (prefetch_distance), not a row ahead in the tile
+  // (token-major calls hold one token's heads); rows over 1 KiB are long runs the prefetchers
+  // follow alone.
   const std::int64_t bytes = hd * std::int64_t(sizeof(Storage<D>));
+  const std::int64_t ahead = prefetch_distance(tile);
   if (bytes <= 1024)
     for (int i = 0; i < count; ++i) {
-      const char* next = reinterpret_cast<const char*>(x[i]) + (tile.x_step < 0 ? -4096 : 4096);
+      const char* next = reinterpret_cast<const char*>(x[i]) + ahead;
       for (std::int64_t b = 0; b < bytes; b += 64) I::prefetch(next + b);
     }
   if (count == kGroupRows<I>) return sum_squares<I, D, kAccumulators>(x, hd, ss);

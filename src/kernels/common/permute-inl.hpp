@@ -97,23 +97,9 @@ Work<P> work_for(const RotationData& r) {
 template <class L>
 using Row = TileRow<typename L::T>;
 
-// How far ahead of a row its x bytes are asked for: 4 KiB further along the walk through memory
-// (one core stalled on x's loads with only the hardware prefetchers; AVX-512, seed tensor in
-// place, 1 thread: 32.2 -> 27.7 ms; BENCHMARKS.md). That is along the rows when a tile's tokens
-// follow each other without gaps; else whole tokens (at least 4 KiB), so that the same head of
-// a later token is asked for: 4 KiB further along a packed qkv token lands on its v heads, which
-// nobody reads.
-ROME_INLINE std::int64_t prefetch_distance(const ForwardTile& tile) {
-  constexpr std::int64_t kBytes = 4096;
-  const std::int64_t step = tile.x_token_step;
-  if (step == 0 || step == tile.count * tile.x_step) return tile.x_step < 0 ? -kBytes : kBytes;
-  const std::int64_t bytes = step < 0 ? -step : step;
-  return step * ((kBytes + bytes - 1) / bytes);
-}
-
-// Row n, and a prefetch of its x bytes `ahead` bytes further along. Prefetches never fault, so
-// the address may lie past the tensor. Rows over 1 KiB are long runs the prefetchers follow
-// alone.
+// Row n, and a prefetch of its x bytes `ahead` (prefetch_distance) bytes further along. Prefetches
+// never fault, so the address may lie past the tensor. Rows over 1 KiB are long runs the
+// prefetchers follow alone.
 template <class L, class W>
 ROME_INLINE Row<L> row_of(const W& w, const ForwardTile& tile, std::int64_t n, std::int64_t ahead) {
   const std::int64_t bytes = w.hd * std::int64_t(sizeof(typename L::T));
