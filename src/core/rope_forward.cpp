@@ -1,9 +1,11 @@
 // The forward executor. Work is cut into tiles: a run of consecutive tokens (outer indices along
 // the last outer axis) × every head of q and k. Each tile's table rows are expanded once (width,
 // positions gather, signs folded) into a buffer that stays in L1/L2 for all of its heads. Inside a
-// tile each head's rows go to the kernel as one strided run, in the order that walks memory
-// contiguously: BNSD-like layouts take one head at a time over the tile's tokens (a run of
-// several KB), BSND and packed [T, H·D] layouts one token at a time over its heads.
+// tile the permute kernels take the rows token by token, every token's heads on its table row
+// while it is in L1, all the tile's tokens in one call (Executor::head_major). Dense kernels,
+// and operands of fewer than kTokenMajorRows heads, go in the order that walks memory
+// contiguously: BNSD-like layouts one head at a time over the tile's tokens (a run of several
+// KB), BSND and packed [T, H·D] layouts one token at a time over its heads.
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>

@@ -510,18 +510,19 @@ TableLayout table_layout(const RotationData& r, DType dtype) {
 
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
-  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) ROME_INLINE_LAMBDA {
-    if constexpr (D == DType::f32) {
-      dispatch_rows<RowLanes<D, false, false>>(kind, w, tile);
-    } else {
-      if (!w.exact_products)
-        dispatch_rows<RowLanes<D, false, false>>(kind, w, tile);
-      else if (nan_results_low_bits_zero(tile))
-        dispatch_rows<RowLanes<D, true, D == DType::bf16>>(kind, w, tile);
-      else
-        dispatch_rows<RowLanes<D, true, false>>(kind, w, tile);
-    }
-  });
+  forward_tile<Plan>(r, tile, build_plan,
+                     [&](Kind kind, const Work& w, const ForwardTile& run) ROME_INLINE_LAMBDA {
+                       if constexpr (D == DType::f32) {
+                         dispatch_rows<RowLanes<D, false, false>>(kind, w, run);
+                       } else {
+                         if (!w.exact_products)
+                           dispatch_rows<RowLanes<D, false, false>>(kind, w, run);
+                         else if (nan_results_low_bits_zero(run))
+                           dispatch_rows<RowLanes<D, true, D == DType::bf16>>(kind, w, run);
+                         else
+                           dispatch_rows<RowLanes<D, true, false>>(kind, w, run);
+                       }
+                     });
 }
 
 void forward_permute_any(const RotationData& r, const ForwardTile& b) {

@@ -344,14 +344,15 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
 template <DType D, typename N>
 ROME_INLINE void forward_impl(const RotationData& r, const ForwardTile& tile) {
   using L = Lanes<D, N>;
-  forward_tile<Plan>(r, tile, build_plan, [&](Kind kind, const Work& w) ROME_INLINE_LAMBDA {
-    switch (w.rd) {
-      case 64: return dispatch_rows<L, 4>(kind, w, tile);
-      case 128: return dispatch_rows<L, 8>(kind, w, tile);
-      case 256: return dispatch_rows<L, 16>(kind, w, tile);
-      default: return dispatch_rows<L, 0>(kind, w, tile);
-    }
-  });
+  forward_tile<Plan>(r, tile, build_plan,
+                     [&](Kind kind, const Work& w, const ForwardTile& run) ROME_INLINE_LAMBDA {
+                       switch (w.rd) {
+                         case 64: return dispatch_rows<L, 4>(kind, w, run);
+                         case 128: return dispatch_rows<L, 8>(kind, w, run);
+                         case 256: return dispatch_rows<L, 16>(kind, w, run);
+                         default: return dispatch_rows<L, 0>(kind, w, run);
+                       }
+                     });
 }
 
 void forward_f32(const RotationData& r, const ForwardTile& b) {

@@ -148,18 +148,15 @@ ROME_INLINE void put(const W& w, bool stream, typename L::T* y, std::int64_t v, 
     L::store(y + W::I::kLanes * v, out, lanes_of(w, v));
 }
 
-// Runs body(row, stream) on every row of every token of the tile (stream: streaming_row), then
-// copies the row's pass-through lanes.
+// Runs body(row, stream) on every row of a one-token tile (stream: streaming_row), then copies
+// the row's pass-through lanes.
 template <class L, class W, class Body>
 ROME_INLINE void for_rows(const W& w, const ForwardTile& tile, Body body) {
   const std::int64_t ahead = prefetch_distance(tile);
-  for (std::int64_t t = 0; t < tile.tokens; ++t) {
-    const ForwardTile run = tile.token(t);
-    for (std::int64_t n = 0; n < run.count; ++n) {
-      const Row<L> row = row_of<L>(w, run, n, ahead);
-      body(row, streaming_row<L>(w, row.y));
-      pass_through<L>(w, row.x, row.y);
-    }
+  for (std::int64_t n = 0; n < tile.count; ++n) {
+    const Row<L> row = row_of<L>(w, tile, n, ahead);
+    body(row, streaming_row<L>(w, row.y));
+    pass_through<L>(w, row.x, row.y);
   }
 }
 
@@ -372,8 +369,10 @@ ROME_INLINE const P& prepared_plan(const RotationData& r, const Work<P>& w, Buil
 }
 
 // One tile: sets up the Work (X: the row widened to fp32, with I::kPadVectors vectors of padding,
-// on the stack when small), runs rows(kind, w) and fences non-temporal stores, which are weakly
-// ordered, before the tile is reported done.
+// on the stack when small), runs rows(kind, w, run) on each token's run of rows and fences
+// non-temporal stores, which are weakly ordered, before the tile is reported done. The token
+// loop stays outside the row loops: inside them it cost the register-row kernels registers
+// (3D 44/44/40 in place, 1 thread: 1.50 -> 2.0x the copy).
 template <class P, class Build, class Rows>
 ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Build build,
                               Rows rows) {
@@ -394,7 +393,7 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
   // A copy whose address no out-of-line call sees: the row loops' stores cannot alias it, so its
   // fields stay in registers (w went to build).
   const Work<P> work = w;
-  rows(work.kind, work);
+  for (std::int64_t t = 0; t < tile.tokens; ++t) rows(work.kind, work, tile.token(t));
   if (work.stream) I::fence();
 }
 
