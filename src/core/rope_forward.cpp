@@ -163,28 +163,15 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
     return;
   }
   // Each token's runs of heads on the token's table row: a permute kernel takes every token of
-  // a run in one call.
+  // the range in one call, other kernels one token per call.
   const int inner_last = op.inner.count - 1;
   tile.x_step = inner_last >= 0 ? op.inner.in_stride[inner_last] * es : 0;
   tile.y_step = inner_last >= 0 ? op.inner.out_stride[inner_last] * es : 0;
+  tile.tokens = token_runs ? token_end - token_begin : 1;
   tile.x_token_step = token_in * es;  // also where a one-token call's kernel prefetches
-  if (token_runs) {
-    tile.tokens = token_end - token_begin;
-    tile.y_token_step = token_out * es;
-    tile.table_token_step = table_stride;
-    tile.cos = cos + token_begin * table_stride;
-    tile.sin = sin + token_begin * table_stride;
-    const std::int64_t in_t = in0 + token_begin * token_in, out_t = out0 + token_begin * token_out;
-    detail::walk_runs(op.inner, row_begin, row_end,
-                      [&](std::int64_t in, std::int64_t out, std::int64_t length) {
-                        tile.x = op.in_base + (in_t + in) * es;
-                        tile.y = op.out_base + (out_t + out) * es;
-                        tile.count = length;
-                        kernel(*p.rotation, tile);
-                      });
-    return;
-  }
-  for (std::int64_t t = token_begin; t < token_end; ++t) {
+  tile.y_token_step = token_out * es;
+  tile.table_token_step = table_stride;
+  for (std::int64_t t = token_begin; t < token_end; t += tile.tokens) {
     tile.cos = cos + t * table_stride;
     tile.sin = sin + t * table_stride;
     const std::int64_t in_t = in0 + t * token_in, out_t = out0 + t * token_out;
