@@ -48,6 +48,16 @@ const std::vector<ExecutorCase>& cases() {
        {45, 1}},
       // Tables that vary per head too: every row has its own table row.
       {"bnsd_tables_per_head", {1, 3, 21, 64}, {}, {}, {}, {1, 3, 21, 64}},
+      // Tokens laid out backwards: negative token steps for q (6 heads, token by token) and
+      // negative row steps for k (2 heads, head by head).
+      {"bnsd_tokens_reversed",
+       {1, 6, 23, 64},
+       {1, 2, 23, 64},
+       Layout{{}, 0, 2},
+       Layout{{}, 0, 2},
+       {23, 64},
+       0,
+       {}},
       // A transposed view (BSND memory read as BNSD) and positions per batch.
       {"bnsd_view_of_bsnd_positions",
        {2, 5, 19, 64},
