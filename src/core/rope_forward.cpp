@@ -102,7 +102,8 @@ struct Executor {
 // thread: 1.21-1.39x -> 0.91-1.16x the copy; BENCHMARKS.md). Dense kernels, and few heads, keep
 // the long run: heads further apart than tokens (BNSD-like) go head by head.
 bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
-  if (tokens <= 1 || op.inner.count == 0) return tokens > 1;
+  if (tokens <= 1) return false;
+  if (op.inner.count == 0) return true;  // one row per token
   if (token_runs && op.inner.rows >= kTokenMajorRows) return false;
   const int last = plan->outer_count - 1;
   const std::int64_t token_in = last >= 0 ? op.outer_in[last] : 0;

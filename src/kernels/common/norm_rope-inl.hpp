@@ -7,8 +7,9 @@
 // per 8-lane vector; AVX-512: two per 16-lane vector, since a 16-lane accumulator of one row
 // would sum in another order, but f32 rows one per 8-lane vector: SumSquares<D>, SumSquaresOf);
 // then 1 / rms of the whole group at once (one row's divide-root-divide chain would hold up its
-// rotation). For rows of up to 1 KiB it also asks for the bytes 4 KiB ahead: one core waits on
-// memory with the hardware prefetchers alone (BENCHMARKS.md).
+// rotation). For rows of up to 1 KiB it also asks for the bytes of rows further along
+// (prefetch_distance): one core waits on memory with the hardware prefetchers alone
+// (BENCHMARKS.md).
 // Pass 2 reads each row again from L1 (no buffer) and forms r·(x_a·C' + x_b·S') with the weight
 // folded into the table row once per table row (FoldedRow: the fused executor hands one table row
 // to every head of a token). It has vector loops for half rotations whose half is whole chunks

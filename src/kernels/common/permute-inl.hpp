@@ -391,7 +391,7 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
           : static_cast<float*>(thread_state<P>().scratch.get(std::size_t(floats) * sizeof(float)));
   static_cast<P&>(w) = prepared_plan(r, w, build);
   // A copy whose address no out-of-line call sees: the row loops' stores cannot alias it, so its
-  // fields stay in registers (w went to build).
+  // fields stay in registers (w went to build; a row dispatch kept out of line copies it again).
   const Work<P> work = w;
   for (std::int64_t t = 0; t < tile.tokens; ++t) rows(work.kind, work, tile.token(t));
   if (work.stream) I::fence();
