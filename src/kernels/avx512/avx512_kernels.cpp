@@ -173,6 +173,25 @@ struct Sources {
 // rare cases: NaN (the row is redone with the guarded combine; see combine_unguarded) and
 // subnormal (vcvtne2ps2bf16 flushes them). One vfpclassps per vector instead of two, on the port
 // the permutes also need.
+// A row rows_fixed found a NaN or subnormal result in: everything again from memory (the row is
+// not written yet, so in place too) with the guarded combine. Out of line, so that the common
+// path keeps nothing live for it: inlined, the sources and table vectors were spilled to the
+// stack on every row (9 stores and 16 register copies per 128-lane row).
+template <typename L, int VC, bool kLoadRow, class SourcesOf>
+[[gnu::noinline]] void redo_row_guarded(const Work& w, const Row<L>& row, SourcesOf sources) {
+  __m512 in[VC], out[VC];
+  if constexpr (kLoadRow) {
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
+  }
+#pragma GCC unroll 16
+  for (int v = 0; v < VC; ++v) {
+    const Sources ab = sources(in, row.x, v);
+    out[v] = combine<L>(w, ab.a, ab.b, row, v);
+  }
+  store_row<L, VC>(w, row.y, out);
+}
+
 template <typename L, int VC, bool kLoadRow, class SourcesOf>
 ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf sources) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool) ROME_INLINE_LAMBDA {
@@ -193,6 +212,7 @@ ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf so
       const __mmask16 nan_or_subnormal = any_of_class<VC, 0x81 | 0x20>(out);
       if (__builtin_expect(_kortestz_mask16_u8(nan_or_subnormal, nan_or_subnormal), 1))
         return store_row_pairs<L, VC>(w, row.y, out);
+      return redo_row_guarded<L, VC, kLoadRow>(w, row, sources);
     }
 #pragma GCC unroll 16
     for (int v = 0; v < VC; ++v) {
