@@ -5,6 +5,7 @@
 
 // GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>
 
 #include <cstdint>
@@ -96,6 +97,21 @@ struct Lanes<DType::bf16, N> {
   }
   static ROME_INLINE void stream(T* p, __m512 v) {  // 32-byte aligned
     _mm256_stream_si256(reinterpret_cast<__m256i*>(p), N::narrow(v));
+  }
+  // Two places of two vectors each (lanes p0[0, 32) and p1[0, 32)), every lane finite: one
+  // subnormal test and one vcvtne2ps2bf16 per place, the bits of store (which narrows each
+  // vector alone, testing each).
+  static ROME_INLINE void store_finite_pairs(T* p0, __m512 lo0, __m512 hi0, T* p1, __m512 lo1,
+                                             __m512 hi1) requires N::kPairs {
+    const __mmask16 subnormal = _kor_mask16(
+        _kor_mask16(_mm512_fpclass_ps_mask(lo0, 0x20), _mm512_fpclass_ps_mask(hi0, 0x20)),
+        _kor_mask16(_mm512_fpclass_ps_mask(lo1, 0x20), _mm512_fpclass_ps_mask(hi1, 0x20)));
+    if (__builtin_expect(_kortestz_mask16_u8(subnormal, subnormal), 1)) {
+      _mm512_storeu_si512(p0, N::narrow_pair(lo0, hi0));
+      _mm512_storeu_si512(p1, N::narrow_pair(lo1, hi1));
+      return;
+    }
+    store(p0, lo0), store(p0 + kW, hi0), store(p1, lo1), store(p1 + kW, hi1);
   }
 };
 

@@ -124,7 +124,24 @@ struct NaturalOrder {
   }
   static ROME_INLINE Chunk swap_pairs(const Chunk& c) { return {{I::swap_pairs(c.v[0])}}; }
   static const float* weights_in_table_order(const float* w, std::int64_t, float*) { return w; }
+  // Where the storage narrows two vectors in one instruction (AVX-512 bf16 with AVX512-BF16),
+  // chunks j and j + kLanes of two places at once: one narrowing per pair and one test of the
+  // four results for the rare lane that needs the exact path (the norm kernel was bound by the
+  // per-vector test and narrowing, not by memory).
+  static constexpr bool kStoresPairs = requires(T * y, typename I::F v) {
+    L::store_finite_pairs(y, v, v, y, v, v);
+  };
+  static ROME_INLINE void store_finite_pairs(T* y0, const Chunk& lo0, const Chunk& hi0, T* y1,
+                                             const Chunk& lo1, const Chunk& hi1) {
+    L::store_finite_pairs(y0, lo0.v[0], hi0.v[0], y1, lo1.v[0], hi1.v[0]);
+  }
 };
+
+template <class O>
+concept StoresPairs = requires {
+  O::kStoresPairs;
+}
+&&O::kStoresPairs;
 
 template <class I, class O>
 ROME_INLINE typename O::Chunk load_table_chunk(const float* p) {
@@ -315,7 +332,19 @@ ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const floa
   };
   if constexpr (K == NormKind::half) {
     const std::int64_t h = rd / 2;
-    for (std::int64_t j0 = 0; j0 < h; j0 += O::kLanes) {
+    std::int64_t j0 = 0;
+    if constexpr (StoresPairs<O>) {
+      constexpr std::int64_t kL = O::kLanes;
+      if (h % (2 * kL) == 0)
+        for (; j0 < h; j0 += 2 * kL) {
+          const std::int64_t j1 = j0 + h;
+          const Chunk a0 = O::load(x + j0), a1 = O::load(x + j0 + kL);
+          const Chunk b0 = O::load(x + j1), b1 = O::load(x + j1 + kL);
+          O::store_finite_pairs(y + j0, scaled_sum(a0, b0, j0), scaled_sum(a1, b1, j0 + kL), y + j1,
+                                scaled_sum(b0, a0, j1), scaled_sum(b1, a1, j1 + kL));
+        }
+    }
+    for (; j0 < h; j0 += O::kLanes) {
       const std::int64_t j1 = j0 + h;
       const Chunk a = O::load(x + j0), b = O::load(x + j1);  // both read before either is written
       const Chunk v0 = scaled_sum(a, b, j0), v1 = scaled_sum(b, a, j1);
@@ -323,7 +352,19 @@ ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const floa
       O::store_finite(y + j1, v1);
     }
   } else {
-    for (std::int64_t j = 0; j < rd; j += O::kLanes) {
+    std::int64_t j = 0;
+    if constexpr (StoresPairs<O>) {
+      constexpr std::int64_t kL = O::kLanes;
+      for (; j + 4 * kL <= rd; j += 4 * kL) {
+        const Chunk a0 = O::load(x + j), a1 = O::load(x + j + kL);
+        const Chunk a2 = O::load(x + j + 2 * kL), a3 = O::load(x + j + 3 * kL);
+        O::store_finite_pairs(y + j, scaled_sum(a0, O::swap_pairs(a0), j),
+                              scaled_sum(a1, O::swap_pairs(a1), j + kL), y + j + 2 * kL,
+                              scaled_sum(a2, O::swap_pairs(a2), j + 2 * kL),
+                              scaled_sum(a3, O::swap_pairs(a3), j + 3 * kL));
+      }
+    }
+    for (; j < rd; j += O::kLanes) {
       const Chunk a = O::load(x + j);
       O::store_finite(y + j, scaled_sum(a, O::swap_pairs(a), j));
     }
