@@ -157,6 +157,9 @@ void check_options(const ExecOptions& options) {
     fail(Status::invalid_argument, "options.tile_tokens",
          "0 (sized from the cache) to " + std::to_string(kMaxTileTokens),
          std::to_string(options.tile_tokens));
+  if (options.min_parallel_bytes < -1)
+    fail(Status::invalid_argument, "options.min_parallel_bytes",
+         "-1 (RoME's threshold) or a byte count >= 0", std::to_string(options.min_parallel_bytes));
 }
 
 void check_environment() {

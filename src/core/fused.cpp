@@ -23,7 +23,6 @@ namespace {
 using std::int64_t;
 using std::to_string;
 
-constexpr int64_t kParallelBytes = 64 * 1024;
 constexpr int64_t kTokensPerTile = 16;
 
 ConstTensorView cview(const TensorView& v) {
@@ -286,7 +285,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
 
   int threads = detail::resolve_threads(options.num_threads);
   const int64_t bytes = plan.bytes_moved + (kv ? 3 * tokens * k.shape[1] * kv_row_bytes : 0);
-  if (bytes < kParallelBytes) threads = 1;
+  threads = detail::threads_for_bytes(options, bytes, threads);
   // Chunks of whole table tiles, several per thread.
   const int64_t tiles = (tokens + kTokensPerTile - 1) / kTokensPerTile;
   detail::parallel_for(options, tiles, threads, [&](int64_t b, int64_t e) {

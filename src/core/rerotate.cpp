@@ -19,8 +19,6 @@ namespace {
 using std::int64_t;
 using std::to_string;
 
-constexpr int64_t kParallelBytes = 64 * 1024;
-
 int64_t load_index(const ConstTensorView& v, int64_t offset) {
   return v.dtype == DType::i32 ? int64_t(static_cast<const std::int32_t*>(v.data)[offset])
                                : static_cast<const std::int64_t*>(v.data)[offset];
@@ -142,7 +140,7 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
   int64_t touched = 0;
   for (const Block& blk : blocks) touched += blk.slots;
   int threads = detail::resolve_threads(options.num_threads);
-  if (2 * touched * heads * head_dim * es < kParallelBytes) threads = 1;
+  threads = detail::threads_for_bytes(options, 2 * touched * heads * head_dim * es, threads);
   const detail::RotationData& r = inner.data();
   detail::parallel_for(options, int64_t(blocks.size()), threads, [&](int64_t begin, int64_t end) {
     for (int64_t i = begin; i < end; ++i) {

@@ -26,9 +26,6 @@ using detail::ForwardPlan;
 using detail::OperandPlan;
 using kernels::ForwardTile;
 
-// Below this many bytes a call stays on the calling thread: waking a worker costs more than
-// the work (a decode step is a few KiB).
-constexpr std::int64_t kParallelBytes = 64 * 1024;
 constexpr std::int64_t kMaxAutoTileTokens = 512;
 // Heads per token from which a permute kernel walks a tile token by token, whatever the layout.
 constexpr std::int64_t kTokenMajorRows = 4;
@@ -262,7 +259,7 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   if (plan.outer_total == 0 || rows == 0) return;
   const detail::ForwardKernel kernel = detail::forward_kernel(rotation, plan.dtype);
   int threads = detail::resolve_threads(options.num_threads);
-  if (plan.bytes_moved < kParallelBytes) threads = 1;
+  threads = detail::threads_for_bytes(options, plan.bytes_moved, threads);
 
   Executor ex{};
   ex.plan = &plan;

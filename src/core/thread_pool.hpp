@@ -34,6 +34,20 @@ void parallel_for(const ExecOptions& options, std::int64_t items, int threads, F
     parallel_for(items, threads, body, &f);
 }
 
+// Calls that move fewer bytes (reads + writes) stay on the calling thread. Waking a second thread
+// and joining it cost about 7 us through torch's OpenMP pool and more through RoME's own on the
+// AMX Xeon VM (BENCHMARKS.md): vLLM-shaped decode (q [T, 32·128], k [T, 8·128] bf16), 1 vs 2
+// threads, T = 4: 7.0 vs 13.5-14.2 us, T = 16: 16-17 vs 18-21 us, T = 24: 2 threads ahead. T = 16
+// moves 320 KiB, T = 24 480 KiB.
+constexpr std::int64_t kMinParallelBytes = 384 * 1024;
+
+// The threads for a call moving `bytes`: `threads`, or 1 below the options' threshold.
+inline int threads_for_bytes(const ExecOptions& options, std::int64_t bytes, int threads) {
+  const std::int64_t floor =
+      options.min_parallel_bytes < 0 ? kMinParallelBytes : options.min_parallel_bytes;
+  return bytes < floor ? 1 : threads;
+}
+
 int hardware_threads() noexcept;
 
 }  // namespace rome::detail

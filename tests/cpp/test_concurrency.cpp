@@ -101,6 +101,7 @@ struct Config {
     const Tables t = tables();
     ExecOptions options;
     options.num_threads = threads;
+    options.min_parallel_bytes = 0;  // small tensors: the pool still runs
     const Operand qo{view<const void*>(in_place ? q_out : q.data(), dtype, q_shape),
                      view<void*>(q_out, dtype, q_shape)};
     if (k_shape.empty()) {

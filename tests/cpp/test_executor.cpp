@@ -199,6 +199,7 @@ TEST(Executor, TilesThreadsAndHostPoolsAreBitIdentical) {
               ExecOptions options;
               options.num_threads = set.threads;
               options.tile_tokens = set.tile;
+              options.min_parallel_bytes = 0;  // the test tensors are small
               if (set.host) options.parallel_for = host_parallel_for;
               run(in, rot, in_place, options);
               ASSERT_TRUE(result_bytes(in, in_place) == expected)
@@ -253,6 +254,44 @@ TEST(Executor, ThreadCountsTakeEffect) {
   rope_forward(rot, one.view(), Operand{decode.cview(), decode.view()}, nullptr, options);
   EXPECT_EQ(last_call_threads(), 1);
   EXPECT_EQ(g_host_chunks.load(), 0) << "a decode step must not wake a pool";
+}
+
+// Below min_parallel_bytes a call stays on the calling thread; 0 splits any call; -1 is RoME's
+// threshold (kMinParallelBytes); anything below -1 is refused before a write.
+TEST(Executor, MinParallelBytesDecidesTheSplit) {
+  const Rotation rot = Rotation::half(128);
+  TestTensor q = TestTensor::make(DType::bf16, {1, 32, 16, 128});  // 256 KiB moved
+  std::mt19937_64 rng(5);
+  q.fill_random(rng, -1, 1);
+  TestTables t;
+  t.cos = TestTensor::make(DType::f32, {16, 128});
+  t.sin = TestTensor::make(DType::f32, {16, 128});
+  t.cos.fill_random(rng, -1, 1);
+  t.sin.fill_random(rng, -1, 1);
+  const Operand op{q.cview(), q.view()};
+  ExecOptions options;
+  options.num_threads = 2;
+  rope_forward(rot, t.view(), op, nullptr, options);
+  EXPECT_EQ(last_call_threads(), 1) << "below RoME's threshold";
+  options.min_parallel_bytes = 0;
+  rope_forward(rot, t.view(), op, nullptr, options);
+  EXPECT_EQ(last_call_threads(), 2) << "threshold 0";
+  options.min_parallel_bytes = 256 * 1024 + 1;
+  rope_forward(rot, t.view(), op, nullptr, options);
+  EXPECT_EQ(last_call_threads(), 1) << "one byte over the call";
+  options.min_parallel_bytes = 256 * 1024;
+  rope_forward(rot, t.view(), op, nullptr, options);
+  EXPECT_EQ(last_call_threads(), 2) << "exactly the call";
+  const TestTensor before = q;
+  options.min_parallel_bytes = -2;
+  try {
+    rope_forward(rot, t.view(), op, nullptr, options);
+    FAIL() << "expected an error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("options.min_parallel_bytes"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_TRUE(q.storage == before.storage);
 }
 
 TEST(Executor, RejectsBadTileTokens) {

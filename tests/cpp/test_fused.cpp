@@ -210,6 +210,7 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
               Packed got = original;
               ExecOptions options;
               options.num_threads = threads;
+              options.min_parallel_bytes = 0;  // small tensors: the second thread still runs
               qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k(), options);
               EXPECT_EQ(got.buffer.storage, expected.buffer.storage)
                   << isa_name(isa) << " " << dtype_name(dtype) << " tables "
