@@ -1,6 +1,9 @@
 #include "thread_pool.hpp"
 
+#include <immintrin.h>
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
@@ -10,13 +13,32 @@
 namespace rome::detail {
 namespace {
 
+// Spin, then sleep. A sleeping worker is woken through the kernel, and in a VM a halted vCPU
+// through the hypervisor: on the AMX VM that took tens of microseconds, so two threads were
+// slower than one up to T = 64 tokens of vLLM-shaped decode (65 vs 81 us; BENCHMARKS.md).
+// Workers spin a while for the next job and the caller spins for the workers, as OpenMP's
+// default wait policy does, and sleep only when nothing comes.
+constexpr auto kWorkerSpin = std::chrono::microseconds(200);
+constexpr auto kCallerSpin = std::chrono::milliseconds(2);
+
+// Spins on done() for up to `limit`, pausing between looks; true if it became true.
+template <class Done>
+bool spin_until(Done done, std::chrono::steady_clock::duration limit) {
+  const auto start = std::chrono::steady_clock::now();
+  for (int spin = 1;; ++spin) {
+    if (done()) return true;
+    _mm_pause();
+    if (spin % 64 == 0 && std::chrono::steady_clock::now() - start > limit) return done();
+  }
+}
+
 class Pool {
  public:
   ~Pool() {
     {
       std::lock_guard<std::mutex> lock(mutex_);
       stopping_ = true;
-      ++generation_;
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     for (auto& t : workers_) t.join();
@@ -34,17 +56,15 @@ class Pool {
       items_ = items;
       parts_ = threads;
       pending_.store(threads - 1, std::memory_order_relaxed);
-      ++generation_;
+      // After the job's fields: a spinning worker that sees the new generation reads them.
+      generation_.fetch_add(1, std::memory_order_release);
     }
     wake_.notify_all();
     fn(context, 0, items / threads);
-    // Short spin first: a worker typically finishes within microseconds of the caller.
-    for (int spin = 0; pending_.load(std::memory_order_acquire) != 0; ++spin) {
-      if (spin > 2000) {
-        std::unique_lock<std::mutex> lock(mutex_);
-        done_.wait(lock, [&] { return pending_.load(std::memory_order_acquire) == 0; });
-        break;
-      }
+    auto finished = [&] { return pending_.load(std::memory_order_acquire) == 0; };
+    if (!spin_until(finished, kCallerSpin)) {
+      std::unique_lock<std::mutex> lock(mutex_);
+      done_.wait(lock, finished);
     }
     return true;
   }
@@ -61,19 +81,23 @@ class Pool {
     std::uint64_t seen = 0;
     {
       std::lock_guard<std::mutex> lock(mutex_);
-      seen = generation_;
+      seen = generation_.load(std::memory_order_relaxed);
       // A worker created for the current job must still take part in it.
-      if (parts_ > index && pending_.load() > 0) seen = generation_ - 1;
+      if (parts_ > index && pending_.load() > 0) seen -= 1;
     }
     for (;;) {
+      auto posted = [&] { return generation_.load(std::memory_order_acquire) != seen; };
       RangeFn fn;
       void* context;
       std::int64_t items;
       int parts;
       {
-        std::unique_lock<std::mutex> lock(mutex_);
-        wake_.wait(lock, [&] { return generation_ != seen; });
-        seen = generation_;
+        if (!spin_until(posted, kWorkerSpin)) {
+          std::unique_lock<std::mutex> lock(mutex_);
+          wake_.wait(lock, posted);
+        }
+        std::lock_guard<std::mutex> lock(mutex_);
+        seen = generation_.load(std::memory_order_relaxed);
         if (stopping_) return;
         fn = fn_;
         context = context_;
@@ -93,7 +117,7 @@ class Pool {
   std::mutex mutex_;
   std::condition_variable wake_, done_;
   std::vector<std::thread> workers_;
-  std::uint64_t generation_ = 0;
+  std::atomic<std::uint64_t> generation_{0};
   bool stopping_ = false;
   RangeFn fn_ = nullptr;
   void* context_ = nullptr;
