@@ -1,8 +1,7 @@
 // Fused passes over token-major heads: QK-norm + RoPE, and RoPE + the paged KV-cache write. Work
-// is cut into runs of 16 tokens whose table rows are prepared once. The rotation takes the run's
-// q heads in one kernel call and its k heads in another (the QK-norm kernel one token per call);
-// then each token's rotated keys and its values are copied into their cache slot while they are
-// still in L1 or L2.
+// is cut into runs of 16 tokens whose table rows are prepared once. The kernel takes the run's q
+// heads in one call and its k heads in another; then each token's rotated keys and its values
+// are copied into their cache slot while they are still in L1 or L2.
 #include "rome/fused.hpp"
 
 #include <algorithm>
@@ -252,26 +251,20 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
       int64_t outer[kMaxRank] = {t0};
       detail::prepare_table_tile(plan, outer, per_token ? n : 1, stride, layout, cos, sin, row_cos,
                                  row_sin);
-      if (!norm) {
-        // The permute kernels take every token of the run in one call each for q and k (a call
-        // per token and operand cost its setup 2n times: 15-35% of the op on one thread).
-        for (const TensorView* v : {&q, &k}) {
-          kernels::ForwardTile run = tile_of(*v, t0, cos, sin);
-          run.tokens = n;
-          run.y_token_step = run.x_token_step;
-          run.table_token_step = per_token ? stride : 0;
+      // The kernels take every token of the run in one call each for q and k (a call per token
+      // and operand cost its setup 2n times: 15-35% of rope + cache write on one thread).
+      for (const TensorView* v : {&q, &k}) {
+        kernels::ForwardTile run = tile_of(*v, t0, cos, sin);
+        run.tokens = n;
+        run.y_token_step = run.x_token_step;
+        run.table_token_step = per_token ? stride : 0;
+        if (norm)
+          norm_rotate(r, run, v == &q ? q_norm : k_norm);
+        else
           rotate(r, run);
-        }
       }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t t = t0 + i;
-        const float* c = cos + (per_token ? i : 0) * stride;
-        const float* s = sin + (per_token ? i : 0) * stride;
-        if (norm) {
-          norm_rotate(r, tile_of(q, t, c, s), q_norm);
-          norm_rotate(r, tile_of(k, t, c, s), k_norm);
-        }
-        if (!kv) continue;
+      if (!kv) continue;
+      for (int64_t t = t0; t < t0 + n; ++t) {
         const int64_t slot = load_slot(kv->slot_mapping, t);
         if (slot < 0) continue;
         const int64_t block = slot / kv->key_cache.shape[1], offset = slot % kv->key_cache.shape[1];

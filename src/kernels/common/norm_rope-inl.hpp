@@ -407,31 +407,34 @@ template <class I, DType D, class L, class O>
 }
 
 template <class I, DType D, class L, class O, NormKind K, bool kExact>
-[[gnu::noinline]] void norm_rows(const RotationData& r, const ForwardTile& tile,
+[[gnu::noinline]] void norm_rows(const RotationData& r, const ForwardTile& run,
                                  const NormParams& norm, FoldedRow<I, O>& folded,
                                  const NormBuffers& buffers) {
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   using Pass1 = typename SumSquaresOf<I, D>::type;
   constexpr int kGroup = kGroupRows<Pass1>;
   float ss[kGroup] = {}, scales[kGroup];
-  for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
-    const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
-    sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
-    Pass1::inverse_rms(ss, hd, norm.eps, scales);
-    for (int i = 0; i < group; ++i) {
-      const std::int64_t n = n0 + i;
-      const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
-      auto* y = static_cast<Storage<D>*>(tile.y_row(n));
-      folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
-      const float scale = scales[i];
-      if constexpr (K != NormKind::other) {
-        if (ss[i] <= folded.finite_sum_squares_max && scale <= FLT_MAX) {
-          rotate_row<I, O, K, kExact>(x, y, folded.cw, folded.sw, folded.weights, rd, hd,
-                                      I::set1(scale));
-          continue;
+  for (std::int64_t t = 0; t < run.tokens; ++t) {
+    const ForwardTile tile = run.token(t);
+    for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
+      const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
+      sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
+      Pass1::inverse_rms(ss, hd, norm.eps, scales);
+      for (int i = 0; i < group; ++i) {
+        const std::int64_t n = n0 + i;
+        const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
+        auto* y = static_cast<Storage<D>*>(tile.y_row(n));
+        folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
+        const float scale = scales[i];
+        if constexpr (K != NormKind::other) {
+          if (ss[i] <= folded.finite_sum_squares_max && scale <= FLT_MAX) {
+            rotate_row<I, O, K, kExact>(x, y, folded.cw, folded.sw, folded.weights, rd, hd,
+                                        I::set1(scale));
+            continue;
+          }
         }
+        rotate_row_lanes<I, D, L, O>(r, x, y, scale, folded, norm, buffers);
       }
-      rotate_row_lanes<I, D, L, O>(r, x, y, scale, folded, norm, buffers);
     }
   }
 }

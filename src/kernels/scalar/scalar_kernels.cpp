@@ -98,7 +98,8 @@ float sum_of_squares(const float* x, std::int64_t n) {
 }
 
 template <DType D>
-void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const NormParams& norm) {
+void forward_norm_permute_run(const RotationData& r, const ForwardTile& tile,
+                              const NormParams& norm) {
   using T = typename detail::Storage<D>::type;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   thread_local std::vector<float> row;
@@ -122,6 +123,12 @@ void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const 
     const float scale = 1.0f / std::sqrt(sum_of_squares<D>(nf, hd) / float(hd) + norm.eps);
     store_norm_row_lanes<D>(r, nf, scale, cw, sw, norm, y);
   }
+}
+
+template <DType D>
+void forward_norm_permute(const RotationData& r, const ForwardTile& tile, const NormParams& norm) {
+  for (std::int64_t t = 0; t < tile.tokens; ++t)
+    forward_norm_permute_run<D>(r, tile.token(t), norm);
 }
 
 void forward_norm_permute_any(const RotationData& r, const ForwardTile& b, const NormParams& n) {
