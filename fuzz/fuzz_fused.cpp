@@ -199,6 +199,7 @@ Outcome call(const Case& c, World& w, int threads, bool check_only = false) {
     norm.unit_offset = c.gemma;
     ExecOptions options;
     options.num_threads = threads;
+    options.min_parallel_bytes = 0;  // small cases: the threaded path still runs
     if (!c.use_cache) {
       if (check_only)
         qk_norm_rope_check(*rotation, tables, norm, q, k);

@@ -1136,6 +1136,7 @@ Outcome call(const Case& c, World& w, int threads) {
   tables.inverse = c.inverse;
   ExecOptions options;
   options.num_threads = threads;
+  options.min_parallel_bytes = 0;  // small cases: the threaded path still runs
   try {
     if (c.op != 2) {
       const Operand q{view_of<const void*>(c.t[Q_IN], w), view_of<void*>(c.t[Q_OUT], w)};

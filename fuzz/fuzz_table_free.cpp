@@ -315,6 +315,7 @@ int run(const std::uint8_t* data, std::size_t size) {
   tables.column_axis = column_axis;
   ExecOptions options;
   options.num_threads = threads;
+  options.min_parallel_bytes = 0;  // small cases: the threaded path still runs
   options.tile_tokens = tile_tokens;
   const Tensor q0 = q, k0 = k;
   const std::vector<std::uint8_t> pos0 = pos_bytes;

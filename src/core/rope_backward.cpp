@@ -319,7 +319,8 @@ void rope_backward(const Rotation& rotation, const Tables& tables, const ConstTe
   const std::int64_t rd = rotation.rotary_dim();
   const std::int64_t items = bp.forward.outer_total;
   int threads = detail::resolve_threads(options.num_threads);
-  if (bp.forward.bytes_moved < 256 * 1024) threads = 1;
+  threads = detail::threads_for_bytes(options, bp.forward.bytes_moved, threads,
+                                      detail::kMinParallelBytesBackward);
   const RotationData& r = rotation.data();
   const bool dense = r.kind == Rotation::Kind::dense;
   std::vector<float> a_t, b_t;

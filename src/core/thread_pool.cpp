@@ -1,6 +1,8 @@
 #include "thread_pool.hpp"
 
+#if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#endif
 
 #include <atomic>
 #include <chrono>
@@ -22,12 +24,20 @@ constexpr auto kWorkerSpin = std::chrono::microseconds(200);
 constexpr auto kCallerSpin = std::chrono::milliseconds(2);
 
 // Spins on done() for up to `limit`, pausing between looks; true if it became true.
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#elif defined(__aarch64__)
+  __asm__ volatile("yield");
+#endif
+}
+
 template <class Done>
 bool spin_until(Done done, std::chrono::steady_clock::duration limit) {
   const auto start = std::chrono::steady_clock::now();
   for (int spin = 1;; ++spin) {
     if (done()) return true;
-    _mm_pause();
+    cpu_relax();
     if (spin % 64 == 0 && std::chrono::steady_clock::now() - start > limit) return done();
   }
 }
@@ -85,6 +95,9 @@ class Pool {
       // A worker created for the current job must still take part in it.
       if (parts_ > index && pending_.load() > 0) seen -= 1;
     }
+    // Only a worker the last job used spins for the next: one it did not need (a pool grown by a
+    // wider job) would keep a core busy for nothing.
+    bool took_part = true;
     for (;;) {
       auto posted = [&] { return generation_.load(std::memory_order_acquire) != seen; };
       RangeFn fn;
@@ -92,7 +105,7 @@ class Pool {
       std::int64_t items;
       int parts;
       {
-        if (!spin_until(posted, kWorkerSpin)) {
+        if (!(took_part && spin_until(posted, kWorkerSpin))) {
           std::unique_lock<std::mutex> lock(mutex_);
           wake_.wait(lock, posted);
         }
@@ -104,7 +117,8 @@ class Pool {
         items = items_;
         parts = parts_;
       }
-      if (index >= parts) continue;
+      took_part = index < parts;
+      if (!took_part) continue;
       fn(context, items * index / parts, items * (index + 1) / parts);
       if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
         std::lock_guard<std::mutex> lock(mutex_);

@@ -40,11 +40,15 @@ void parallel_for(const ExecOptions& options, std::int64_t items, int threads, F
 // threads, T = 4: 7.0 vs 13.5-14.2 us, T = 16: 16-17 vs 18-21 us, T = 24: 2 threads ahead. T = 16
 // moves 320 KiB, T = 24 480 KiB.
 constexpr std::int64_t kMinParallelBytes = 384 * 1024;
+// The backward pass does more work per byte (gradients of the tables and matrices too).
+constexpr std::int64_t kMinParallelBytesBackward = 256 * 1024;
 
-// The threads for a call moving `bytes`: `threads`, or 1 below the options' threshold.
-inline int threads_for_bytes(const ExecOptions& options, std::int64_t bytes, int threads) {
+// The threads for a call moving `bytes`: `threads`, or 1 below the options' threshold (-1: the
+// caller's default).
+inline int threads_for_bytes(const ExecOptions& options, std::int64_t bytes, int threads,
+                             std::int64_t default_floor = kMinParallelBytes) {
   const std::int64_t floor =
-      options.min_parallel_bytes < 0 ? kMinParallelBytes : options.min_parallel_bytes;
+      options.min_parallel_bytes < 0 ? default_floor : options.min_parallel_bytes;
   return bytes < floor ? 1 : threads;
 }
 

@@ -181,8 +181,8 @@ TEST(Backward, MatrixGradientsIndependentOfThreads) {
   std::vector<float> da1(64), db1(64), da2(64), db2(64);
   Gradients one, two;
   one.da = da1.data(), one.db = db1.data(), two.da = da2.data(), two.db = db2.data();
-  rope_backward(rotation, tables.view(), g.cview(), x.cview(), one, ExecOptions{1});
-  rope_backward(rotation, tables.view(), g.cview(), x.cview(), two, ExecOptions{2});
+  rope_backward(rotation, tables.view(), g.cview(), x.cview(), one, split_across(1));
+  rope_backward(rotation, tables.view(), g.cview(), x.cview(), two, split_across(2));
   EXPECT_EQ(da1, da2);
   EXPECT_EQ(db1, db2);
   std::vector<double> db(64), scale(64);
@@ -282,7 +282,7 @@ TEST(Backward, DenseMatchesDoubleFormulasOnEveryIsa) {
           out.dsin = gs.view();
           out.da = gda.data();
           out.db = gdb.data();
-          rope_backward(rotation, tables.view(), g.cview(), x.cview(), out, ExecOptions{threads});
+          rope_backward(rotation, tables.view(), g.cview(), x.cview(), out, split_across(threads));
           if (first.empty()) {
             std::vector<double> v(x.numel()), c(dc.size()), sn(dc.size());
             for (std::int64_t e = 0; e < x.numel(); ++e) v[e] = gx.get(gx.unravel(e));

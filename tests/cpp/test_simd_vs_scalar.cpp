@@ -454,7 +454,7 @@ Outputs run(const Case& c) {
   Operand q{as_const(q_in.view()), c.in_place ? q_in.view() : q_out.view()};
   Operand k;
   if (c.has_k) k = Operand{as_const(k_in.view()), c.in_place ? k_in.view() : k_out.view()};
-  rope_forward(c.rotation, c.tables, q, c.has_k ? &k : nullptr, ExecOptions{c.threads});
+  rope_forward(c.rotation, c.tables, q, c.has_k ? &k : nullptr, split_across(c.threads));
   Outputs out;
   out.q = c.in_place ? q_in.storage : q_out.storage;
   if (c.has_k) out.k = c.in_place ? k_in.storage : k_out.storage;
@@ -780,7 +780,7 @@ TEST(SimdVsScalar, LargeTensorsStreaming) {
             ScopedIsa scoped(isa);
             Placed in = x, out = y;
             const TensorView iv = view(in), ov = variant == 2 ? iv : view(out);
-            rope_forward(rotation, t, Operand{as_const(iv), ov}, nullptr, ExecOptions{threads});
+            rope_forward(rotation, t, Operand{as_const(iv), ov}, nullptr, split_across(threads));
             return variant == 2 ? in.window() : out.window();
           };
           Strided layout_for_messages;  // whole-buffer offsets only

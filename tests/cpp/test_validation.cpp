@@ -169,7 +169,8 @@ TEST(Validation, MisalignedData) {
   Call c;
   std::vector<unsigned char> bytes(c.x.storage.size() + 1);
   c.x_view.data = bytes.data() + 1;
-  expect_error(c, Status::invalid_argument, "q", {"aligned to 2 bytes", "bfloat16", "address 0x"}, Cause::memory);
+  expect_error(c, Status::invalid_argument, "q", {"aligned to 2 bytes", "bfloat16", "address 0x"},
+               Cause::memory);
 }
 TEST(Validation, MisalignedOutput) {
   Call c;
@@ -183,14 +184,16 @@ TEST(Validation, MisalignedTable) {
   Call c;
   std::vector<unsigned char> bytes(c.tables.sin.storage.size() + 2);
   c.t.sin.data = bytes.data() + 2;
-  expect_error(c, Status::invalid_argument, "sin", {"aligned to 4 bytes", "float32"}, Cause::memory);
+  expect_error(c, Status::invalid_argument, "sin", {"aligned to 4 bytes", "float32"},
+               Cause::memory);
 }
 TEST(Validation, MisalignedPositions) {
   Call c;
   c.use_cache(DType::i64, 4);
   std::vector<unsigned char> bytes(c.tables.positions.storage.size() + 4);
   c.t.positions.data = bytes.data() + 4;  // int64 at a 4-byte boundary
-  expect_error(c, Status::invalid_argument, "positions", {"aligned to 8 bytes", "int64"}, Cause::memory);
+  expect_error(c, Status::invalid_argument, "positions", {"aligned to 8 bytes", "int64"},
+               Cause::memory);
 }
 TEST(Validation, NonContiguousHeadAxis) {
   Call c;
@@ -361,7 +364,8 @@ TEST(Validation, PositionPastCacheEnd) {
   Call c;
   c.use_cache(DType::i64, 4);
   c.tables.positions.set({1, 0, 3}, 4);
-  expect_error(c, Status::out_of_range, "positions", {"values in [0, 4)", "4 at index [1, 0, 3]"}, Cause::memory);
+  expect_error(c, Status::out_of_range, "positions", {"values in [0, 4)", "4 at index [1, 0, 3]"},
+               Cause::memory);
 }
 TEST(Validation, NegativePosition) {
   Call c;

@@ -167,12 +167,6 @@ struct Sources {
   __m512 a, b;
 };
 
-// Every output vector v is the epilogue of sources(in, x, v), `in` holding the row when kLoadRow;
-// the row is stored only after all of it is computed, so in place is safe.
-// bf16 rows narrowed in pairs run the epilogue unguarded and classify each result once for both
-// rare cases: NaN (the row is redone with the guarded combine; see combine_unguarded) and
-// subnormal (vcvtne2ps2bf16 flushes them). One vfpclassps per vector instead of two, on the port
-// the permutes also need.
 // A row rows_fixed found a NaN or subnormal result in: everything again from memory (the row is
 // not written yet, so in place too) with the guarded combine. Out of line, so that the common
 // path keeps nothing live for it: inlined, the sources and table vectors were spilled to the
@@ -192,6 +186,12 @@ template <typename L, int VC, bool kLoadRow, class SourcesOf>
   store_row<L, VC>(w, row.y, out);
 }
 
+// Every output vector v is the epilogue of sources(in, x, v), `in` holding the row when kLoadRow;
+// the row is stored only after all of it is computed, so in place is safe.
+// bf16 rows narrowed in pairs run the epilogue unguarded and classify each result once for both
+// rare cases: NaN (the row is redone with the guarded combine; see combine_unguarded) and
+// subnormal (vcvtne2ps2bf16 flushes them). One vfpclassps per vector instead of two, on the port
+// the permutes also need.
 template <typename L, int VC, bool kLoadRow, class SourcesOf>
 ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf sources) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool) ROME_INLINE_LAMBDA {

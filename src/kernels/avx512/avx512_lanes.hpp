@@ -3,7 +3,9 @@
 // Included only by translation units compiled with the AVX-512 flags.
 #pragma once
 
-// GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers.
+// GCC 12 warns about the _mm512_undefined_* placeholders inside its own intrinsic headers. The
+// warnings are reported where the intrinsics are inlined, so a push/pop around the include does
+// not silence them: they stay off for the translation units that include this header.
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 #pragma GCC diagnostic ignored "-Wuninitialized"
 #include <immintrin.h>

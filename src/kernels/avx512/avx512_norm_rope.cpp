@@ -3,8 +3,9 @@
 // sums, 8-15 the other's): a 16-lane accumulator of one row would sum in another order. f32 rows
 // take AVX2's one row per 8-lane accumulator (Avx512NormOneRow): that order took 0.8x the time of
 // the pairs on f32 rows at T = 4096 but 1.2x on bf16 rows at T = 512, so f32 only. bf16 rows are
-// narrowed by integer rounding, or by vcvtneps2bf16 in the table of a CPU with AVX512-BF16
-// (avx512_lanes.hpp's NarrowBf16Insn).
+// narrowed by integer rounding, or in the table of a CPU with AVX512-BF16 by vcvtne2ps2bf16, two
+// vectors at a time where a row's steps allow, else vcvtneps2bf16 (avx512_lanes.hpp's
+// NarrowBf16Insn; NaturalOrder::store_finite_pairs).
 #include <cstdint>
 #include <type_traits>
 

@@ -335,14 +335,13 @@ ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const floa
     std::int64_t j0 = 0;
     if constexpr (StoresPairs<O>) {
       constexpr std::int64_t kL = O::kLanes;
-      if (h % (2 * kL) == 0)
-        for (; j0 < h; j0 += 2 * kL) {
-          const std::int64_t j1 = j0 + h;
-          const Chunk a0 = O::load(x + j0), a1 = O::load(x + j0 + kL);
-          const Chunk b0 = O::load(x + j1), b1 = O::load(x + j1 + kL);
-          O::store_finite_pairs(y + j0, scaled_sum(a0, b0, j0), scaled_sum(a1, b1, j0 + kL), y + j1,
-                                scaled_sum(b0, a0, j1), scaled_sum(b1, a1, j1 + kL));
-        }
+      for (; j0 + 2 * kL <= h; j0 += 2 * kL) {
+        const std::int64_t j1 = j0 + h;
+        const Chunk a0 = O::load(x + j0), a1 = O::load(x + j0 + kL);
+        const Chunk b0 = O::load(x + j1), b1 = O::load(x + j1 + kL);
+        O::store_finite_pairs(y + j0, scaled_sum(a0, b0, j0), scaled_sum(a1, b1, j0 + kL), y + j1,
+                              scaled_sum(b0, a0, j1), scaled_sum(b1, a1, j1 + kL));
+      }
     }
     for (; j0 < h; j0 += O::kLanes) {
       const std::int64_t j1 = j0 + h;
