@@ -216,6 +216,16 @@ TEST(Executor, TilesThreadsAndHostPoolsAreBitIdentical) {
               checked);
 }
 
+// Random fp32 tables [tokens, 128] for the thread-count tests.
+TestTables random_tables(std::int64_t tokens, std::mt19937_64& rng) {
+  TestTables t;
+  t.cos = TestTensor::make(DType::f32, {tokens, 128});
+  t.sin = TestTensor::make(DType::f32, {tokens, 128});
+  t.cos.fill_random(rng, -1, 1);
+  t.sin.fill_random(rng, -1, 1);
+  return t;
+}
+
 // Work big enough to be split: RoME's pool and a host pool each run it on the threads asked
 // for, and a tiny call (one decode token) stays on the calling thread.
 TEST(Executor, ThreadCountsTakeEffect) {
@@ -223,11 +233,7 @@ TEST(Executor, ThreadCountsTakeEffect) {
   TestTensor q = TestTensor::make(DType::f32, {1, 8, 512, 128});
   std::mt19937_64 rng(3);
   q.fill_random(rng, -1, 1);
-  TestTables t;
-  t.cos = TestTensor::make(DType::f32, {512, 128});
-  t.sin = TestTensor::make(DType::f32, {512, 128});
-  t.cos.fill_random(rng, -1, 1);
-  t.sin.fill_random(rng, -1, 1);
+  const TestTables t = random_tables(512, rng);
   const Operand op{q.cview(), q.view()};
   for (int threads : {1, 2, 4}) {
     ExecOptions options;
@@ -242,11 +248,7 @@ TEST(Executor, ThreadCountsTakeEffect) {
   }
   TestTensor decode = TestTensor::make(DType::bf16, {1, 32, 1, 128});
   decode.fill_random(rng, -1, 1);
-  TestTables one;
-  one.cos = TestTensor::make(DType::f32, {1, 128});
-  one.sin = TestTensor::make(DType::f32, {1, 128});
-  one.cos.fill_random(rng, -1, 1);
-  one.sin.fill_random(rng, -1, 1);
+  const TestTables one = random_tables(1, rng);
   ExecOptions options;
   options.num_threads = 8;
   options.parallel_for = host_parallel_for;
@@ -263,11 +265,7 @@ TEST(Executor, MinParallelBytesDecidesTheSplit) {
   TestTensor q = TestTensor::make(DType::bf16, {1, 32, 16, 128});  // 256 KiB moved
   std::mt19937_64 rng(5);
   q.fill_random(rng, -1, 1);
-  TestTables t;
-  t.cos = TestTensor::make(DType::f32, {16, 128});
-  t.sin = TestTensor::make(DType::f32, {16, 128});
-  t.cos.fill_random(rng, -1, 1);
-  t.sin.fill_random(rng, -1, 1);
+  const TestTables t = random_tables(16, rng);
   const Operand op{q.cview(), q.view()};
   ExecOptions options;
   options.num_threads = 2;
