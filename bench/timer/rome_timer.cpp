@@ -24,6 +24,7 @@
 //   --table-dtype f32|bf16|f16    table dtype (default f32)
 //   --threads N         threads for RoME and for the copy (default: RoME's default)
 //   --tile-tokens T     tokens per executor tile (default: sized from the L2 cache)
+//   --min-parallel-bytes B  split calls from B bytes moved (default -1: RoME's threshold; 0: any)
 //   --repeats R         timed samples (default 20); --warmup W (default 3)
 //   --inner K           calls per sample (default: auto, so a sample lasts >= 1 ms)
 //   --in-place          rotate q/k in place instead of writing separate outputs
@@ -193,7 +194,7 @@ int usage(const char* why) {
       "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
       "[--blocks a,b,..] [--cache P [--shuffle-positions]] [--dtype bf16] [--table-dtype f32] "
       "[--threads N] "
-      "[--tile-tokens T] "
+      "[--tile-tokens T] [--min-parallel-bytes B] "
       "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--qk-norm] [--force-dense] "
       "[--matrix-dtype f32|bf16] [--isa NAME]\n",
       why);
@@ -208,7 +209,7 @@ int main(int argc, char** argv) {
   std::int64_t cache = 0;
   DType dtype = DType::bf16, table_dtype = DType::f32, matrix_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
-  std::int64_t tile_tokens = 0;
+  std::int64_t tile_tokens = 0, min_parallel_bytes = -1;
   bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false;
   try {
     for (int i = 1; i < argc; ++i) {
@@ -237,6 +238,8 @@ int main(int argc, char** argv) {
         threads = std::stoi(value());
       else if (a == "--tile-tokens")
         tile_tokens = std::stoll(value());
+      else if (a == "--min-parallel-bytes")
+        min_parallel_bytes = std::stoll(value());
       else if (a == "--repeats")
         repeats = std::stoi(value());
       else if (a == "--warmup")
@@ -368,6 +371,7 @@ int main(int argc, char** argv) {
     rome::ExecOptions options;
     options.num_threads = threads;
     options.tile_tokens = tile_tokens;
+    options.min_parallel_bytes = min_parallel_bytes;
     auto rope = [&] {
       if (qk_norm)
         rome::qk_norm_rope(rotation, tables, norm, qv, view_of<void*>(k.data, dtype, k_shape),
