@@ -914,13 +914,16 @@ kernels::TableValues table_values(const ForwardPlan& plan) {
 
 // Cache rows gathered by position are random reads: asks for the rows of token `ahead` tokens
 // later while this one is prepared, so their misses overlap (only the one-position-per-token
-// gather; MRoPE's per-column rows and table-free rows are left as they are).
+// gather; MRoPE's per-column rows and table-free rows are left as they are). Rows whose lanes
+// are not contiguous are not prefetched: a lane stride is any value where a row has one column
+// (columns × stride overflowed; fuzz_rope).
 void prefetch_cache_rows(const ForwardPlan& plan, const int64_t* outer) {
   const TablePlan& t = plan.tables;
+  if (t.cos_lane != 1 || t.sin_lane != 1) return;
   const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
   const int64_t columns = t.width == TableWidth::full ? plan.rotation->rotary_dim : t.columns;
-  const int64_t cbytes = columns * t.cos_lane * dtype_size(t.dtype_cos);
-  const int64_t sbytes = columns * t.sin_lane * dtype_size(t.dtype_sin);
+  const int64_t cbytes = columns * dtype_size(t.dtype_cos);
+  const int64_t sbytes = columns * dtype_size(t.dtype_sin);
   for (int64_t b = 0; b < cbytes; b += 64) __builtin_prefetch(rows.cos + b);
   for (int64_t b = 0; b < sbytes; b += 64) __builtin_prefetch(rows.sin + b);
 }
