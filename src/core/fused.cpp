@@ -220,19 +220,23 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
   const kernels::TableValues table_values =
       norm ? kernels::TableValues::fp32 : detail::table_values(plan);
 
-  auto tile_of = [&](const TensorView& v, int64_t t, const float* cos, const float* sin) {
-    kernels::ForwardTile tile{};
-    tile.cos = cos;
-    tile.sin = sin;
-    tile.table_step = 0;
-    tile.x = static_cast<const char*>(v.data) + t * v.strides[0] * es;
-    tile.y = static_cast<char*>(v.data) + t * v.strides[0] * es;
-    tile.x_step = tile.y_step = v.strides[1] * es;
-    tile.x_token_step = v.strides[0] * es;  // where the kernels prefetch the next tokens' rows
-    tile.count = v.shape[1];
-    tile.dtype = dtype;
-    tile.table_values = table_values;
-    return tile;
+  // Tokens [t, t + n) of v in place, every head of a token on its table row (cos, sin: the run's
+  // first row, the next token's a stride on when the tables vary per token).
+  auto run_of = [&](const TensorView& v, int64_t t, int64_t n, const float* cos, const float* sin) {
+    kernels::ForwardTile run{};
+    run.cos = cos;
+    run.sin = sin;
+    run.table_step = 0;
+    run.x = static_cast<const char*>(v.data) + t * v.strides[0] * es;
+    run.y = static_cast<char*>(v.data) + t * v.strides[0] * es;
+    run.x_step = run.y_step = v.strides[1] * es;
+    run.count = v.shape[1];
+    run.tokens = n;
+    run.x_token_step = run.y_token_step = v.strides[0] * es;
+    run.table_token_step = per_token ? stride : 0;
+    run.dtype = dtype;
+    run.table_values = table_values;
+    return run;
   };
 
   auto run_tokens = [&](int64_t begin, int64_t end) {
@@ -254,10 +258,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
       // The kernels take every token of the run in one call each for q and k (a call per token
       // and operand cost its setup 2n times: 15-35% of rope + cache write on one thread).
       for (const TensorView* v : {&q, &k}) {
-        kernels::ForwardTile run = tile_of(*v, t0, cos, sin);
-        run.tokens = n;
-        run.y_token_step = run.x_token_step;
-        run.table_token_step = per_token ? stride : 0;
+        const kernels::ForwardTile run = run_of(*v, t0, n, cos, sin);
         if (norm)
           norm_rotate(r, run, v == &q ? q_norm : k_norm);
         else

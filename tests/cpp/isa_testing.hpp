@@ -85,9 +85,6 @@ class ScopedCacheSizes {
   const detail::CacheSizes sizes_;
 };
 
-// Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU whose
-// vdpbf16ps the core uses, bf16 x, matrices exact in bf16): summed in the instruction's order and
-// held to the dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.
 // Options for `threads` threads that split even the tests' small calls (RoME keeps calls below
 // ExecOptions::min_parallel_bytes on the calling thread).
 inline ExecOptions split_across(int threads) {
@@ -97,6 +94,9 @@ inline ExecOptions split_across(int threads) {
   return options;
 }
 
+// Whether `isa` runs this rotation of `dtype` x as bf16 dot products (avx512 on a CPU whose
+// vdpbf16ps the core uses, bf16 x, matrices exact in bf16): summed in the instruction's order and
+// held to the dot-product bound (test_dense_bf16_dot.cpp), not to the scalar kernel's bits.
 inline bool takes_bf16_dot_path(Isa isa, const Rotation& rotation, DType dtype) {
   return isa == Isa::avx512 && dtype == DType::bf16 && detail::cpu_features().fast_bf16_dot &&
          rotation.data().pair_panel_packs().bf16_exact;

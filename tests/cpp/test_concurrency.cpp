@@ -99,9 +99,8 @@ struct Config {
       if (k_out) std::memcpy(k_out, k.data(), k.size());
     }
     const Tables t = tables();
-    ExecOptions options;
-    options.num_threads = threads;
-    options.min_parallel_bytes = 0;  // small tensors: the pool still runs
+    const ExecOptions options =
+        rome::testing::split_across(threads);  // small tensors: the pool still runs
     const Operand qo{view<const void*>(in_place ? q_out : q.data(), dtype, q_shape),
                      view<void*>(q_out, dtype, q_shape)};
     if (k_shape.empty()) {
@@ -335,9 +334,8 @@ TEST(Concurrency, ParallelBackwardCallersMatchSerialRun) {
     g.dcos = view<void*>(o.dcos.data(), DType::f32, {128, 64});
     g.dsin = view<void*>(o.dsin.data(), DType::f32, {128, 64});
     g.da = o.da.data();
-    ExecOptions options;
-    options.num_threads = threads;
-    options.min_parallel_bytes = 0;  // small tensors: the pool still runs
+    const ExecOptions options =
+        rome::testing::split_across(threads);  // small tensors: the pool still runs
     rope_backward(rotation, tables, view<const void*>(grad.data(), DType::bf16, shape),
                   view<const void*>(x.data(), DType::bf16, shape), g, options);
   };

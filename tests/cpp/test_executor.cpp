@@ -196,10 +196,8 @@ TEST(Executor, TilesThreadsAndHostPoolsAreBitIdentical) {
             ScopedIsa scoped(isa);
             for (const Setting& set : settings) {
               Inputs in = original;
-              ExecOptions options;
-              options.num_threads = set.threads;
+              ExecOptions options = split_across(set.threads);  // the test tensors are small
               options.tile_tokens = set.tile;
-              options.min_parallel_bytes = 0;  // the test tensors are small
               if (set.host) options.parallel_for = host_parallel_for;
               run(in, rot, in_place, options);
               ASSERT_TRUE(result_bytes(in, in_place) == expected)

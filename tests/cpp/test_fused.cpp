@@ -208,9 +208,8 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
             for (int threads : {1, 2}) {
               ScopedIsa scoped(isa);
               Packed got = original;
-              ExecOptions options;
-              options.num_threads = threads;
-              options.min_parallel_bytes = 0;  // small tensors: the second thread still runs
+              // Small tensors: the second thread still runs.
+              const ExecOptions options = split_across(threads);
               qk_norm_rope(rotation, cache.view(fc.neox), norm, got.q(), got.k(), options);
               EXPECT_EQ(got.buffer.storage, expected.buffer.storage)
                   << isa_name(isa) << " " << dtype_name(dtype) << " tables "

@@ -167,23 +167,32 @@ struct Sources {
   __m512 a, b;
 };
 
-// A row rows_fixed found a NaN or subnormal result in: everything again from memory (the row is
-// not written yet, so in place too) with the guarded combine. Out of line, so that the common
-// path keeps nothing live for it: inlined, the sources and table vectors were spilled to the
-// stack on every row (9 stores and 16 register copies per 128-lane row).
-template <typename L, int VC, bool kLoadRow, class SourcesOf>
-[[gnu::noinline]] void redo_row_guarded(const Work& w, const Row<L>& row, SourcesOf sources) {
-  __m512 in[VC], out[VC];
-  if constexpr (kLoadRow) {
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
-  }
+// The row from sources(in, x, v) through the guarded combine, stored: rows_fixed's rows that do
+// not narrow in pairs, and redo_row_guarded.
+template <typename L, int VC, class SourcesOf>
+ROME_INLINE void store_guarded_row(const Work& w, const Row<L>& row, const __m512* in,
+                                   SourcesOf& sources) {
+  __m512 out[VC];
 #pragma GCC unroll 16
   for (int v = 0; v < VC; ++v) {
     const Sources ab = sources(in, row.x, v);
     out[v] = combine<L>(w, ab.a, ab.b, row, v);
   }
   store_row<L, VC>(w, row.y, out);
+}
+
+// A row rows_fixed found a NaN or subnormal result in: everything again from memory (the row is
+// not written yet, so in place too) with the guarded combine. Out of line, so that the common
+// path keeps nothing live for it: inlined, the sources and table vectors were spilled to the
+// stack on every row (9 stores and 16 register copies per 128-lane row).
+template <typename L, int VC, bool kLoadRow, class SourcesOf>
+[[gnu::noinline]] void redo_row_guarded(const Work& w, const Row<L>& row, SourcesOf sources) {
+  __m512 in[VC];
+  if constexpr (kLoadRow) {
+#pragma GCC unroll 16
+    for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
+  }
+  store_guarded_row<L, VC>(w, row, in, sources);
 }
 
 // Every output vector v is the epilogue of sources(in, x, v), `in` holding the row when kLoadRow;
@@ -214,12 +223,7 @@ ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf so
         return store_row_pairs<L, VC>(w, row.y, out);
       return redo_row_guarded<L, VC, kLoadRow>(w, row, sources);
     }
-#pragma GCC unroll 16
-    for (int v = 0; v < VC; ++v) {
-      const Sources ab = sources(in, row.x, v);
-      out[v] = combine<L>(w, ab.a, ab.b, row, v);
-    }
-    store_row<L, VC>(w, row.y, out);
+    store_guarded_row<L, VC>(w, row, in, sources);
   });
 }
 
