@@ -85,9 +85,11 @@ std::vector<SpecialCase> special_cases() {
       {Rotation::interleave(32), "interleave32"},
       {Rotation::quarter(64), "quarter64"},
       {Rotation::half(24), "half24"},
-      // the shifted_two row loop
+      // AVX2's shifted_two row loop; AVX-512's compiled block-halves plans
       {Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)}),
-       "half3d_44_44_40"}};
+       "half3d_44_44_40"},
+      {Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)}),
+       "half3d_44_42_42"}};
   for (DType x : {DType::bf16, DType::f16})
     for (DType t : {DType::bf16, DType::f16, DType::f32})
       for (const auto& [rotation, name] : rotations) cases.push_back({x, t, rotation, name});

@@ -51,6 +51,10 @@ const std::vector<Variant>& variants() {
        [] {
          return Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)});
        }},
+      {"half_3d_44_42_42",
+       [] {
+         return Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)});
+       }},
       {"interleave_3d_44_42_42",
        [] {
          return Rotation::block_diag(
