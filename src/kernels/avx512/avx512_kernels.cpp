@@ -5,17 +5,19 @@
 // under a lane mask, masked loads/stores for tails, and for the general kind vpermt2ps
 // (_mm512_permutex2var_ps) over pairs of input vectors, blended under lane masks. Here is what
 // only AVX-512 has: rotary dims 64, 128 and 256 keep the whole row in registers (up to 16 of the
-// 32 zmm), every kind through one loop over VC vectors, the general one by vpermt2ps over pair
-// tables built per rotation (interleave_half among them; AVX2 has own kinds for those) or, for
-// the 3D splits 44/44/40 and 44/42/42, over plans compiled in (BlockHalves); such a row is stored
-// after all of it is computed, so in place is safe.
+// 32 zmm), every kind through one loop over VC vectors, the general one by vpermt2ps: over plans
+// compiled in (CompiledPermute) for the 3D splits 44/44/40 and 44/42/42 and interleave-half 64
+// and 128, else over pair tables built per rotation (AVX2 has own kinds for some of these); such
+// a row is stored after all of it is computed, so in place is safe.
 //
 // bf16 is narrowed with vcvtne2ps2bf16 / vcvtneps2bf16 when the CPU has AVX512-BF16 (they flush
 // subnormals, so a row holding one takes the integer round-to-nearest-even path), else with
 // integer arithmetic; fp16 uses vcvtps2ph / vcvtph2ps, exact both ways.
+#include <array>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <new>
 #include <vector>
 
@@ -116,7 +118,7 @@ struct Plan : PlanBase<Avx512> {
   const __m512i* pair_idx_a = nullptr;
   const __mmask16* pair_mask_b = nullptr;
   const __mmask16* pair_mask_a = nullptr;
-  int block_halves = 0;  // general: block_halves_of
+  int compiled = 0;  // general: compiled_rotation_of
 };
 using Work = permute::Work<Plan>;
 
@@ -285,112 +287,158 @@ ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3D RoPE at rotary dim 128, its permutation known at compile time
+// Permutations compiled in: 3D RoPE's splits and DeepSeek MLA's interleave-half
 
-// B of a rotation by halves within consecutive blocks (3D RoPE: each axis' block rotated as
-// 'half'), as vpermt2ps steps whose source vectors are constants: the general kind's pair tables
-// pick sources in fixed pairs (2p, 2p+1) and skip empty pairs by branching on their masks; here
-// output vector v's first step permutes its first two sources and every further step merges one
-// more source under its lanes (vpermt2ps with merge masking keeps the other lanes of the
-// accumulator), so k sources cost k - 1 permutes and no blend or branch.
-struct BlockHalves {
-  static constexpr int kVectors = 8, kMaxSteps = 4 * kVectors;
+// A permutation of VC vectors as vpermt2ps steps whose source vectors are constants. The general
+// kind's pair tables pair sources rigidly (2p, 2p+1) and skip empty pairs by branching on their
+// masks; here output vector v's first step permutes its first two sources and every further step
+// merges one more source under its lanes (vpermt2ps with merge masking keeps the accumulator's
+// other lanes), so k sources cost k - 1 permutes and no blend or branch.
+template <int VC>
+struct CompiledPermute {
+  static constexpr int kLanes = VC * kW, kMaxSteps = VC * VC;
   alignas(64) std::int32_t idx[kMaxSteps][kW] = {};
-  std::int32_t src[kVectors * kW] = {};   // the source lane of every output lane
-  std::int32_t begin[kVectors + 1] = {};  // steps of output vector v: [begin[v], begin[v + 1])
+  std::array<std::int32_t, kLanes> src = {};  // the source lane of every output lane
+  std::int32_t begin[VC + 1] = {};            // steps of output vector v: [begin[v], begin[v + 1])
   std::int32_t first[kMaxSteps] = {}, second[kMaxSteps] = {};  // source vectors of a step
   std::uint16_t lanes[kMaxSteps] = {};
 
-  template <std::size_t N>
-  constexpr explicit BlockHalves(const int (&blocks)[N]) {
-    int lane = 0;
-    for (int b : blocks)
-      for (int i = 0; i < b; ++i, ++lane) src[lane] = lane + (i < b / 2 ? b / 2 : -b / 2);
+  constexpr explicit CompiledPermute(const std::array<std::int32_t, kLanes>& source) : src(source) {
     int step = 0;
-    for (int v = 0; v < kVectors; ++v) {
+    for (int v = 0; v < VC; ++v) {
       begin[v] = step;
-      int sources[kVectors] = {}, n = 0;
+      int sources[VC] = {}, n = 0;  // in first-use order
       for (int l = 0; l < kW; ++l) {
         const int s = src[v * kW + l] / kW;
         bool seen = false;
         for (int i = 0; i < n; ++i) seen = seen || sources[i] == s;
         if (!seen) sources[n++] = s;
       }
-      // Step 0 takes sources 0 and 1 (table a, table b), step k > 0 source k + 1 (table b).
+      // Step 0: sources 0 and 1 (tables a and b); step k > 0: source k + 1 (table b).
       for (int k = 0; k < (n > 1 ? n - 1 : 1); ++k, ++step) {
         first[step] = sources[0];
         second[step] = k == 0 ? sources[n > 1 ? 1 : 0] : sources[k + 1];
         for (int l = 0; l < kW; ++l) {
           const int s = src[v * kW + l] / kW, from = src[v * kW + l] % kW;
-          if (k == 0 && s == sources[0]) {
+          if (k == 0 && s == sources[0])
             idx[step][l] = from;
-          } else if (s == second[step] && (k > 0 || n > 1)) {
+          else if (s == second[step] && (k > 0 || n > 1))
             idx[step][l] = from + kW;
-          } else {
+          else
             continue;
-          }
           lanes[step] = std::uint16_t(lanes[step] | (1u << l));
         }
       }
     }
-    begin[kVectors] = step;
+    begin[VC] = step;
+  }
+
+  // Whether p (every lane read) is this permutation.
+  bool is(const SignedPermutation& p) const {
+    for (int j = 0; j < kLanes; ++j)
+      if (p.sign[j] == 0 || p.src[j] != src[j]) return false;
+    return true;
   }
 };
 
-constexpr int kBlocks_44_44_40[] = {44, 44, 40};  // the seed's 3D RoPE
-constexpr int kBlocks_44_42_42[] = {44, 42, 42};  // Wan 2.1 / 2.2
-constexpr BlockHalves kHalves_44_44_40(kBlocks_44_44_40);
-constexpr BlockHalves kHalves_44_42_42(kBlocks_44_42_42);
+// Rotation by halves within consecutive blocks (3D RoPE with each axis rotated as 'half').
+template <int N>
+constexpr std::array<std::int32_t, N> block_halves(std::initializer_list<int> blocks) {
+  std::array<std::int32_t, N> src = {};
+  int lane = 0;
+  for (int b : blocks)
+    for (int i = 0; i < b; ++i, ++lane) src[lane] = lane + (i < b / 2 ? b / 2 : -b / 2);
+  return src;
+}
+
+// Rotation::interleave_half: A de-interleaves (evens, then odds), B = A · half.
+template <int N>
+constexpr std::array<std::int32_t, N> deinterleave(bool rotated) {
+  std::array<std::int32_t, N> src = {};
+  for (int j = 0; j < N; ++j)
+    src[j] = (j < N / 2) != rotated ? 2 * (j % (N / 2)) : 2 * (j % (N / 2)) + 1;
+  return src;
+}
+
+constexpr CompiledPermute<8> kHalves_44_44_40(block_halves<128>({44, 44, 40}));  // the seed's
+constexpr CompiledPermute<8> kHalves_44_42_42(block_halves<128>({44, 42, 42}));  // Wan 2.1 / 2.2
+constexpr CompiledPermute<4> kDeinterleave_64(deinterleave<64>(false));  // DeepSeek MLA's rope
+constexpr CompiledPermute<4> kDeinterleaveRotated_64(deinterleave<64>(true));
+constexpr CompiledPermute<8> kDeinterleave_128(deinterleave<128>(false));
+constexpr CompiledPermute<8> kDeinterleaveRotated_128(deinterleave<128>(true));
+
+// A rotation whose plans are compiled in: B, and A unless it is the identity.
+template <int VC>
+struct CompiledRotation {
+  const CompiledPermute<VC>* a;
+  const CompiledPermute<VC>& b;
+};
+constexpr CompiledRotation<8> kRotation_44_44_40{nullptr, kHalves_44_44_40};
+constexpr CompiledRotation<8> kRotation_44_42_42{nullptr, kHalves_44_42_42};
+constexpr CompiledRotation<4> kInterleaveHalf_64{&kDeinterleave_64, kDeinterleaveRotated_64};
+constexpr CompiledRotation<8> kInterleaveHalf_128{&kDeinterleave_128, kDeinterleaveRotated_128};
 
 // Steps S..End of one output vector after its first: each merges one more source.
-template <const BlockHalves& P, int S, int End>
+template <int VC, const CompiledPermute<VC>& P, int S, int End>
 ROME_INLINE __m512 merge_sources(__m512 acc, const __m512* in) {
   if constexpr (S == End) {
     return acc;
   } else {
     const __m512i idx = _mm512_load_si512(P.idx[S]);
-    return merge_sources<P, S + 1, End>(
+    return merge_sources<VC, P, S + 1, End>(
         _mm512_mask_permutex2var_ps(acc, __mmask16(P.lanes[S]), idx, in[P.second[S]]), in);
   }
 }
 
-template <const BlockHalves& P, int V>
-ROME_INLINE __m512 block_halves_vector(const __m512* in) {
+template <int VC, const CompiledPermute<VC>& P, int V>
+ROME_INLINE __m512 compiled_vector(const __m512* in) {
   constexpr int S = P.begin[V];
   const __m512i idx = _mm512_load_si512(P.idx[S]);
   const __m512 acc =
       _mm512_maskz_permutex2var_ps(__mmask16(P.lanes[S]), in[P.first[S]], idx, in[P.second[S]]);
-  return merge_sources<P, S + 1, P.begin[V + 1]>(acc, in);
+  return merge_sources<VC, P, S + 1, P.begin[V + 1]>(acc, in);
 }
 
-template <typename L, const BlockHalves& P>
-ROME_INLINE void rows_block_halves(const Work& w, const ForwardTile& tile) {
-  rows_fixed<L, BlockHalves::kVectors, true>(
-      w, tile, [&](const __m512* in, const typename L::T*, int v) ROME_INLINE_LAMBDA {
-        // v is a constant once rows_fixed's loop is unrolled; the switch folds away.
-        switch (v) {
-          case 0: return Sources{in[0], block_halves_vector<P, 0>(in)};
-          case 1: return Sources{in[1], block_halves_vector<P, 1>(in)};
-          case 2: return Sources{in[2], block_halves_vector<P, 2>(in)};
-          case 3: return Sources{in[3], block_halves_vector<P, 3>(in)};
-          case 4: return Sources{in[4], block_halves_vector<P, 4>(in)};
-          case 5: return Sources{in[5], block_halves_vector<P, 5>(in)};
-          case 6: return Sources{in[6], block_halves_vector<P, 6>(in)};
-          default: return Sources{in[7], block_halves_vector<P, 7>(in)};
-        }
-      });
+template <int VC, const CompiledRotation<VC>& R, int V>
+ROME_INLINE Sources compiled_sources(const __m512* in) {
+  if constexpr (R.a == nullptr)
+    return Sources{in[V], compiled_vector<VC, R.b, V>(in)};
+  else
+    return Sources{compiled_vector<VC, *R.a, V>(in), compiled_vector<VC, R.b, V>(in)};
 }
 
-// Which compiled BlockHalves r's B is (1, 2), or 0: A the identity, every lane read once.
-int block_halves_of(const RotationData& r) {
-  if (!r.a_identity || r.rotary_dim != BlockHalves::kVectors * kW) return 0;
-  const BlockHalves* const known[] = {&kHalves_44_44_40, &kHalves_44_42_42};
-  for (int i = 0; i < 2; ++i) {
-    bool same = true;
-    for (int j = 0; j < BlockHalves::kVectors * kW && same; ++j)
-      same = r.b.sign[j] != 0 && r.b.src[j] == known[i]->src[j];
-    if (same) return i + 1;
-  }
+template <typename L, int VC, const CompiledRotation<VC>& R>
+ROME_INLINE void rows_compiled(const Work& w, const ForwardTile& tile) {
+  static_assert(VC == 4 || VC == 8);
+  rows_fixed<L, VC, true>(w, tile,
+                          [&](const __m512* in, const typename L::T*, int v) ROME_INLINE_LAMBDA {
+                            // v is a constant once rows_fixed's loop is unrolled; the switch folds
+                            // away.
+                            switch (v) {
+                              case 0: return compiled_sources<VC, R, 0>(in);
+                              case 1: return compiled_sources<VC, R, 1>(in);
+                              case 2: return compiled_sources<VC, R, 2>(in);
+                              case 3: return compiled_sources<VC, R, 3>(in);
+                              case 4: return compiled_sources < VC, R, VC == 8 ? 4 : 3 > (in);
+                              case 5: return compiled_sources < VC, R, VC == 8 ? 5 : 3 > (in);
+                              case 6: return compiled_sources < VC, R, VC == 8 ? 6 : 3 > (in);
+                              default: return compiled_sources<VC, R, VC - 1>(in);
+                            }
+                          });
+}
+
+// Which rotation compiled in r is: 0 none, 1 3D 44/44/40, 2 3D 44/42/42, 3 interleave_half(64),
+// 4 interleave_half(128).
+template <int VC>
+bool is_compiled(const RotationData& r, const CompiledRotation<VC>& c) {
+  if (r.rotary_dim != VC * kW || (c.a == nullptr) != r.a_identity) return false;
+  return c.b.is(r.b) && (c.a == nullptr || c.a->is(r.a));
+}
+int compiled_rotation_of(const RotationData& r) {
+  if (is_compiled(r, kRotation_44_44_40)) return 1;
+  if (is_compiled(r, kRotation_44_42_42)) return 2;
+  if (is_compiled(r, kInterleaveHalf_64)) return 3;
+  if (is_compiled(r, kInterleaveHalf_128)) return 4;
   return 0;
 }
 
@@ -405,9 +453,13 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
       case Kind::single: return rows_single_fixed<L, VC, false>(w, tile);
       case Kind::move: return rows_single_fixed<L, VC, true>(w, tile);
       default:  // general (AVX2's kinds never here)
-        if constexpr (VC == BlockHalves::kVectors) {
-          if (w.block_halves == 1) return rows_block_halves<L, kHalves_44_44_40>(w, tile);
-          if (w.block_halves == 2) return rows_block_halves<L, kHalves_44_42_42>(w, tile);
+        if constexpr (VC == 8) {
+          if (w.compiled == 1) return rows_compiled<L, 8, kRotation_44_44_40>(w, tile);
+          if (w.compiled == 2) return rows_compiled<L, 8, kRotation_44_42_42>(w, tile);
+          if (w.compiled == 4) return rows_compiled<L, 8, kInterleaveHalf_128>(w, tile);
+        }
+        if constexpr (VC == 4) {
+          if (w.compiled == 3) return rows_compiled<L, 4, kInterleaveHalf_64>(w, tile);
         }
         return rows_general_fixed<L, VC>(w, tile);
     }
@@ -469,7 +521,7 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   p.src = src;
   p.mask = mask;
   p.src_n = src_n;
-  if (p.kind == Kind::general) p.block_halves = block_halves_of(r);
+  if (p.kind == Kind::general) p.compiled = compiled_rotation_of(r);
   if (p.kind == Kind::general && fixed) {
     build_pairs(r.b, w, pairs, pair_mask);
     p.pair_idx_b = pairs;
