@@ -361,7 +361,7 @@ constexpr std::array<std::int32_t, N> deinterleave(bool rotated) {
 }
 
 constexpr CompiledPermute<8> kHalves_44_44_40(block_halves<128>({44, 44, 40}));  // the seed's
-constexpr CompiledPermute<8> kHalves_44_42_42(block_halves<128>({44, 42, 42}));  // Wan 2.1 / 2.2
+constexpr CompiledPermute<8> kHalves_44_42_42(block_halves<128>({44, 42, 42}));  // Wan's split
 constexpr CompiledPermute<4> kDeinterleave_64(deinterleave<64>(false));  // DeepSeek MLA's rope
 constexpr CompiledPermute<4> kDeinterleaveRotated_64(deinterleave<64>(true));
 constexpr CompiledPermute<8> kDeinterleave_128(deinterleave<128>(false));
