@@ -156,6 +156,9 @@ const KernelTable& scalar_kernels();
 const KernelTable& avx2_kernels();
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot = false);
 const KernelTable& amx_kernels(bool avx512_bf16);
+// For tests: which permutation compiled into the AVX-512 kernels runs `rotation` (0: none; 1, 2:
+// 3D 44/44/40, 44/42/42 in half blocks; 3, 4: interleave_half 64, 128).
+int avx512_compiled_plan(const detail::RotationData& rotation);
 
 void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);

@@ -3,13 +3,17 @@
 // subnormal inputs and results are kept.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <random>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "core/dispatch.hpp"
 #include "isa_testing.hpp"
+#include "kernels/kernel_api.hpp"
 #include "reference.hpp"
 #include "rome/rome.hpp"
 
@@ -188,6 +192,93 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, ExactProductEpilogue,
                                   dtype_name(c.x_dtype) + "_x_" + dtype_name(c.table_dtype) +
                                   "_tables_" + c.name;
                          });
+
+#ifdef ROME_TEST_HAVE_AVX512
+// The permutations compiled into the AVX-512 kernels: each is picked for its own rotation and for
+// no near miss (those run on the per-rotation tables), and both AVX-512 tables (bf16 narrowed by
+// AVX512-BF16's instructions or in integer arithmetic) give the scalar kernel's bits, the plan
+// cache switching rotation on every call.
+TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndMatchScalar) {
+  const std::vector<Isa> isas = isas_under_test();
+  if (std::find(isas.begin(), isas.end(), Isa::avx512) == isas.end())
+    GTEST_SKIP() << "AVX-512 is not under test";
+  const Rotation halves_44_44_40 =
+      Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)});
+  const Rotation il64 = Rotation::interleave_half(64);
+  std::vector<float> flipped = halves_44_44_40.to_dense_b(), one_lane_empty = flipped;
+  for (float& v : flipped) v = -v;
+  for (int i = 0; i < 128; ++i) one_lane_empty[i * 128 + 5] = 0.0f;
+  std::vector<float> a_lane0_empty = il64.to_dense_a();
+  for (int i = 0; i < 64; ++i) a_lane0_empty[i * 64] = 0.0f;  // its source would read as lane 0
+  struct Case {
+    const char* name;
+    Rotation rotation;
+    int plan;  // kernels::avx512_compiled_plan
+  };
+  const Case cases[] = {
+      {"halves_44_44_40", halves_44_44_40, 1},
+      {"halves_44_42_42",
+       Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)}), 2},
+      {"interleave_half_64", il64, 3},
+      {"interleave_half_128", Rotation::interleave_half(128), 4},
+      {"signs_flipped", Rotation::dense(flipped, 128), 1},  // signs live in the tables
+      {"interleave_half_128_of_256", Rotation::interleave_half(128).partial(256), 4},
+      {"halves_40_44_44",
+       Rotation::block_diag({Rotation::half(40), Rotation::half(44), Rotation::half(44)}), 0},
+      {"one_lane_empty", Rotation::dense(one_lane_empty, 128), 0},
+      {"a_lane0_empty", Rotation::dense(a_lane0_empty, il64.to_dense_b(), 64), 0},
+      {"b_of_interleave_half_a_identity", Rotation::dense(il64.to_dense_b(), 64), 0},
+      {"b_of_3d_a_deinterleave",
+       Rotation::dense(Rotation::interleave_half(128).to_dense_a(), halves_44_44_40.to_dense_b(),
+                       128),
+       0},
+      {"interleave_half_32", Rotation::interleave_half(32), 0},
+      {"interleave_half_64_at_32_of_128", il64.partial(128, 32), -1},  // plan of the shifted form
+  };
+  for (const Case& c : cases)
+    if (c.plan >= 0) EXPECT_EQ(kernels::avx512_compiled_plan(c.rotation.data()), c.plan) << c.name;
+
+  std::vector<const kernels::KernelTable*> tables{&kernels::avx512_kernels(false)};
+  if (detail::cpu_features().avx512_bf16) tables.push_back(&kernels::avx512_kernels(true));
+  std::mt19937_64 rng(11);
+  for (int round = 0; round < 2; ++round)
+    for (DType xd : {DType::f32, DType::f16, DType::bf16})
+      for (DType td : {DType::f32, DType::bf16})
+        for (const Case& c : cases) {
+          const std::int64_t hd = c.rotation.head_dim(), rd = c.rotation.rotary_dim(), rows = 37;
+          TestTensor x = TestTensor::make(xd, {rows, hd});
+          x.fill_random(rng, -2.0, 2.0);
+          if (round == 1) {  // a NaN, an infinity and a row of subnormal products
+            x.set({3, 7}, std::numeric_limits<double>::quiet_NaN());
+            x.set({4, 9}, std::numeric_limits<double>::infinity());
+            for (std::int64_t j = 0; j < hd; ++j) x.set({5, j}, 1e-39 * double(j + 1));
+          }
+          TestTables t;
+          t.cos = TestTensor::make(td, {rows, rd});
+          t.sin = TestTensor::make(td, {rows, rd});
+          t.cos.fill_random(rng, -1.0, 1.0);
+          t.sin.fill_random(rng, -1.0, 1.0);
+          auto run = [&](Isa isa, const kernels::KernelTable* table, bool in_place) {
+            ScopedIsa scoped_isa(isa);
+            ScopedKernels scoped_kernels(table);
+            TestTensor out = in_place ? x : TestTensor::make(xd, x.shape);
+            rope_forward(c.rotation, t.view(),
+                         Operand{in_place ? out.cview() : x.cview(), out.view()});
+            return out;
+          };
+          const TestTensor want = run(Isa::scalar, nullptr, false);
+          for (const kernels::KernelTable* table : tables)
+            for (bool in_place : {false, true}) {
+              const TestTensor got = run(Isa::avx512, table, in_place);
+              for (std::int64_t e = 0; e < x.numel(); ++e)
+                ASSERT_EQ(bits_at(got, e), bits_at(want, e))
+                    << c.name << ", x " << dtype_name(xd) << ", tables " << dtype_name(td)
+                    << (table == tables[0] ? ", integer bf16 narrowing" : ", AVX512-BF16")
+                    << (in_place ? ", in place" : "") << ", element " << e;
+            }
+        }
+}
+#endif
 
 }  // namespace
 }  // namespace rome::testing

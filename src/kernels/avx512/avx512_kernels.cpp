@@ -113,12 +113,21 @@ struct Avx512 {
 
 // general with 4, 8 or 16 vectors: for output vector v and source pair p (input vectors 2p and
 // 2p+1) the vpermt2ps index and lane mask, of B and of A.
+// The general kind's plans compiled in (CompiledPermute, below).
+enum class CompiledPlan {
+  none,
+  halves_44_44_40,
+  halves_44_42_42,
+  interleave_half_64,
+  interleave_half_128
+};
+
 struct Plan : PlanBase<Avx512> {
   const __m512i* pair_idx_b = nullptr;
   const __m512i* pair_idx_a = nullptr;
   const __mmask16* pair_mask_b = nullptr;
   const __mmask16* pair_mask_a = nullptr;
-  int compiled = 0;  // general: compiled_rotation_of
+  CompiledPlan compiled = CompiledPlan::none;  // general: compiled_plan_of
 };
 using Work = permute::Work<Plan>;
 
@@ -293,10 +302,10 @@ ROME_INLINE void rows_general_fixed(const Work& w, const ForwardTile& tile) {
 // kind's pair tables pair sources rigidly (2p, 2p+1) and skip empty pairs by branching on their
 // masks; here output vector v's first step permutes its first two sources and every further step
 // merges one more source under its lanes (vpermt2ps with merge masking keeps the accumulator's
-// other lanes), so k sources cost k - 1 permutes and no blend or branch.
+// other lanes), so k >= 2 sources cost k - 1 permutes (one source, one) and no blend or branch.
 template <int VC>
 struct CompiledPermute {
-  static constexpr int kLanes = VC * kW, kMaxSteps = VC * VC;
+  static constexpr int kLanes = VC * kW, kMaxSteps = VC * (VC - 1);
   alignas(64) std::int32_t idx[kMaxSteps][kW] = {};
   std::array<std::int32_t, kLanes> src = {};  // the source lane of every output lane
   std::int32_t begin[VC + 1] = {};            // steps of output vector v: [begin[v], begin[v + 1])
@@ -419,27 +428,26 @@ ROME_INLINE void rows_compiled(const Work& w, const ForwardTile& tile) {
                               case 1: return compiled_sources<VC, R, 1>(in);
                               case 2: return compiled_sources<VC, R, 2>(in);
                               case 3: return compiled_sources<VC, R, 3>(in);
-                              case 4: return compiled_sources < VC, R, VC == 8 ? 4 : 3 > (in);
-                              case 5: return compiled_sources < VC, R, VC == 8 ? 5 : 3 > (in);
-                              case 6: return compiled_sources < VC, R, VC == 8 ? 6 : 3 > (in);
+                              case 4: return compiled_sources<VC, R, (VC == 8 ? 4 : 3)>(in);
+                              case 5: return compiled_sources<VC, R, (VC == 8 ? 5 : 3)>(in);
+                              case 6: return compiled_sources<VC, R, (VC == 8 ? 6 : 3)>(in);
                               default: return compiled_sources<VC, R, VC - 1>(in);
                             }
                           });
 }
 
-// Which rotation compiled in r is: 0 none, 1 3D 44/44/40, 2 3D 44/42/42, 3 interleave_half(64),
-// 4 interleave_half(128).
+// Which rotation compiled in r is (A and B, every lane read).
 template <int VC>
 bool is_compiled(const RotationData& r, const CompiledRotation<VC>& c) {
   if (r.rotary_dim != VC * kW || (c.a == nullptr) != r.a_identity) return false;
   return c.b.is(r.b) && (c.a == nullptr || c.a->is(r.a));
 }
-int compiled_rotation_of(const RotationData& r) {
-  if (is_compiled(r, kRotation_44_44_40)) return 1;
-  if (is_compiled(r, kRotation_44_42_42)) return 2;
-  if (is_compiled(r, kInterleaveHalf_64)) return 3;
-  if (is_compiled(r, kInterleaveHalf_128)) return 4;
-  return 0;
+CompiledPlan compiled_plan_of(const RotationData& r) {
+  if (is_compiled(r, kRotation_44_44_40)) return CompiledPlan::halves_44_44_40;
+  if (is_compiled(r, kRotation_44_42_42)) return CompiledPlan::halves_44_42_42;
+  if (is_compiled(r, kInterleaveHalf_64)) return CompiledPlan::interleave_half_64;
+  if (is_compiled(r, kInterleaveHalf_128)) return CompiledPlan::interleave_half_128;
+  return CompiledPlan::none;
 }
 
 template <typename L, int VC>
@@ -454,12 +462,19 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
       case Kind::move: return rows_single_fixed<L, VC, true>(w, tile);
       default:  // general (AVX2's kinds never here)
         if constexpr (VC == 8) {
-          if (w.compiled == 1) return rows_compiled<L, 8, kRotation_44_44_40>(w, tile);
-          if (w.compiled == 2) return rows_compiled<L, 8, kRotation_44_42_42>(w, tile);
-          if (w.compiled == 4) return rows_compiled<L, 8, kInterleaveHalf_128>(w, tile);
+          switch (w.compiled) {
+            case CompiledPlan::halves_44_44_40:
+              return rows_compiled<L, 8, kRotation_44_44_40>(w, tile);
+            case CompiledPlan::halves_44_42_42:
+              return rows_compiled<L, 8, kRotation_44_42_42>(w, tile);
+            case CompiledPlan::interleave_half_128:
+              return rows_compiled<L, 8, kInterleaveHalf_128>(w, tile);
+            default: break;
+          }
         }
         if constexpr (VC == 4) {
-          if (w.compiled == 3) return rows_compiled<L, 4, kInterleaveHalf_64>(w, tile);
+          if (w.compiled == CompiledPlan::interleave_half_64)
+            return rows_compiled<L, 4, kInterleaveHalf_64>(w, tile);
         }
         return rows_general_fixed<L, VC>(w, tile);
     }
@@ -521,8 +536,8 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   p.src = src;
   p.mask = mask;
   p.src_n = src_n;
-  if (p.kind == Kind::general) p.compiled = compiled_rotation_of(r);
-  if (p.kind == Kind::general && fixed) {
+  if (p.kind == Kind::general) p.compiled = compiled_plan_of(r);
+  if (p.kind == Kind::general && fixed && p.compiled == CompiledPlan::none) {
     build_pairs(r.b, w, pairs, pair_mask);
     p.pair_idx_b = pairs;
     p.pair_mask_b = pair_mask;
@@ -589,6 +604,10 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
 }
 
 }  // namespace
+
+int avx512_compiled_plan(const detail::RotationData& rotation) {
+  return int(compiled_plan_of(rotation));
+}
 
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
   static const KernelTable table{"avx512",
