@@ -32,7 +32,9 @@
 //                       transformers hands them over before its transpose (--q stays B,N,S,D)
 //   --qk-norm           rome::qk_norm_rope (per-head RMSNorm + RoPE, in place) on token-major
 //                       q [T, Hq, D] and k [T, Hk, D] (give --q T,Hq,D --k T,Hk,D)
-//   --isa NAME          cap the ISA (scalar|avx2|avx512|amx)
+//   --isa NAME          cap the ISA (scalar|avx2|avx512|amx), or avx512-no-bf16: the AVX-512
+//                       kernels of CPUs without AVX512-BF16 (bf16 narrowed in integer
+//                       arithmetic), on a CPU that has the instructions
 //
 // Output: one JSON object on stdout; times are seconds per call. The copy ("floor") reads x (and
 // k) and writes the output buffers with memcpy, and reads every table byte the call reads, split
@@ -54,8 +56,10 @@
 #include "common/copy_floor.hpp"
 #include "common/random_matrices.hpp"
 #include "core/convert.hpp"
+#include "core/dispatch.hpp"
 #include "core/rotation_data.hpp"
 #include "core/thread_pool.hpp"
+#include "kernels/kernel_api.hpp"
 #include "rome/fused.hpp"
 #include "rome/rome.hpp"
 
@@ -275,7 +279,14 @@ int main(int argc, char** argv) {
   if (threads <= 0) threads = rome::default_num_threads();
 
   try {
-    if (!isa_name.empty()) rome::set_max_isa(parse_isa(isa_name));
+    if (isa_name == "avx512-no-bf16") {
+      if (rome::detected_isa() < rome::Isa::avx512)
+        throw std::invalid_argument("--isa avx512-no-bf16 needs an AVX-512 CPU");
+      rome::set_max_isa(rome::Isa::avx512);
+      rome::detail::override_kernels_for_testing(&rome::kernels::avx512_kernels(false));
+    } else if (!isa_name.empty()) {
+      rome::set_max_isa(parse_isa(isa_name));
+    }
     const std::int64_t dim = q_shape.back();
     const std::int64_t seq = qk_norm ? q_shape[0] : q_shape[q_shape.size() - 2];
     rome::Rotation rotation = make_rotation(rotation_kind, dim);
@@ -436,9 +447,10 @@ int main(int argc, char** argv) {
         rotation_kind.c_str(), shape_json(blocks).c_str(), shape_json(q_shape).c_str(),
         shape_json(k_shape).c_str(), static_cast<long long>(cache), rome::dtype_name(dtype),
         rome::dtype_name(table_dtype), in_place ? "true" : "false", threads, copy_threads,
-        rome::isa_name(rome::active_isa()), repeats, inner, bytes, median(t_rope),
-        *std::min_element(t_rope.begin(), t_rope.end()), median(t_copy),
-        *std::min_element(t_copy.begin(), t_copy.end()), median(t_rope) / median(t_copy),
+        isa_name == "avx512-no-bf16" ? isa_name.c_str() : rome::isa_name(rome::active_isa()),
+        repeats, inner, bytes, median(t_rope), *std::min_element(t_rope.begin(), t_rope.end()),
+        median(t_copy), *std::min_element(t_copy.begin(), t_copy.end()),
+        median(t_rope) / median(t_copy),
         rotation.kind() == rome::Rotation::Kind::dense ? "dense" : "permute", matrix_flops);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rome_timer: %s\n", e.what());
