@@ -195,10 +195,10 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, ExactProductEpilogue,
 
 #ifdef ROME_TEST_HAVE_AVX512
 // The permutations compiled into the AVX-512 kernels: each is picked for its own rotation and for
-// no near miss (those run on the per-rotation tables), and both AVX-512 tables (bf16 narrowed by
-// AVX512-BF16's instructions or in integer arithmetic) give the scalar kernel's bits, the plan
-// cache switching rotation on every call.
-TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndMatchScalar) {
+// no near miss (those run on the per-rotation tables); and every kind on both AVX-512 tables
+// (bf16 narrowed by AVX512-BF16's instructions or in integer arithmetic) gives the scalar kernel's
+// bits, the plan cache switching rotation on every call.
+TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndEveryKindMatchesScalar) {
   const std::vector<Isa> isas = isas_under_test();
   if (std::find(isas.begin(), isas.end(), Isa::avx512) == isas.end())
     GTEST_SKIP() << "AVX-512 is not under test";
@@ -234,6 +234,19 @@ TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndMatchScalar) {
        0},
       {"interleave_half_32", Rotation::interleave_half(32), 0},
       {"interleave_half_64_at_32_of_128", il64.partial(128, 32), -1},  // plan of the shifted form
+      // AVX-512's other kinds, on the table the core installs without AVX512-BF16 too: only
+      // this test runs them there on a CPU that has the instructions.
+      {"half_128", Rotation::half(128), -1},
+      {"half_64", Rotation::half(64), -1},
+      {"half_256", Rotation::half(256), -1},
+      {"half_80", Rotation::half(80), -1},
+      {"interleave_128", Rotation::interleave(128), -1},
+      {"quarter_128", Rotation::quarter(128), -1},
+      {"halves_64_64", Rotation::block_diag({Rotation::half(64), Rotation::half(64)}), -1},
+      {"halves_16_56_56",
+       Rotation::block_diag({Rotation::half(16), Rotation::half(56), Rotation::half(56)}), -1},
+      {"half_64_of_128", Rotation::half(64).partial(128), -1},
+      {"interleave_half_96", Rotation::interleave_half(96), -1},
   };
   for (const Case& c : cases)
     if (c.plan >= 0) EXPECT_EQ(kernels::avx512_compiled_plan(c.rotation.data()), c.plan) << c.name;
