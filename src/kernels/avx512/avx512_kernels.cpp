@@ -111,8 +111,6 @@ struct Avx512 {
   }
 };
 
-// general with 4, 8 or 16 vectors: for output vector v and source pair p (input vectors 2p and
-// 2p+1) the vpermt2ps index and lane mask, of B and of A.
 // The general kind's plans compiled in (CompiledPermute, below).
 enum class CompiledPlan {
   none,
@@ -122,6 +120,8 @@ enum class CompiledPlan {
   interleave_half_128
 };
 
+// general with 4, 8 or 16 vectors: for output vector v and source pair p (input vectors 2p and
+// 2p+1) the vpermt2ps index and lane mask, of B and of A (none for a compiled plan).
 struct Plan : PlanBase<Avx512> {
   const __m512i* pair_idx_b = nullptr;
   const __m512i* pair_idx_a = nullptr;
