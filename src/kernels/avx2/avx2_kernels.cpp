@@ -353,9 +353,9 @@ ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
 
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
 // 2u + 1, output vector V/2 + u the other way round. bf16 splits each 16 lanes by a shift and a
-// mask (lane 2k is dword k's low half, 2k + 1 its high half), other types by shuffles of the
-// widened vectors. In place the row is copied into X first (bf16 as it is, others widened):
-// output V/2 + u would overwrite an input vector not yet read.
+// mask (split_bf16), other types by shuffles of the widened vectors. In place the row is copied
+// into X first (bf16 as it is, others widened): output V/2 + u would overwrite an input vector not
+// yet read.
 template <typename L>
 ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
   const std::int64_t H = w.V / 2;
@@ -372,15 +372,11 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
     for (std::int64_t u = 0; u < H; ++u) {
       const std::int64_t at = 2 * kW * u;
       EvenOdd eo;
-      if constexpr (L::kDType == DType::bf16) {
-        const __m256i pairs = _mm256_loadu_si256(
-            reinterpret_cast<const __m256i*>(in_place ? bf16_copy + at : row.x + at));
-        eo.even = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-        eo.odd = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32(-65536)));
-      } else {
+      if constexpr (L::kDType == DType::bf16)
+        eo = split_bf16(in_place ? bf16_copy + at : row.x + at);
+      else
         eo = in_place ? split_even_odd(_mm256_load_ps(w.X + at), _mm256_load_ps(w.X + at + kW))
                       : split_even_odd(L::load(row.x + at), L::load(row.x + at + kW));
-      }
       const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
       const __m256 ch = _mm256_load_ps(row.C + kW * (H + u));
       const __m256 sh = _mm256_load_ps(row.S + kW * (H + u));
