@@ -200,10 +200,13 @@ ROME_INLINE EvenOdd split_even_odd(__m256 a, __m256 b) {
           _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(odd), kOrder))};
 }
 
-ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
-  const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+ROME_INLINE EvenOdd split_bf16(__m256i w) {
   return {_mm256_castsi256_ps(_mm256_slli_epi32(w, 16)),
           _mm256_castsi256_ps(_mm256_and_si256(w, _mm256_set1_epi32(int(0xffff0000u))))};
+}
+
+ROME_INLINE EvenOdd split_bf16(const std::uint16_t* p) {
+  return split_bf16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
 
 }  // namespace rome::kernels::avx2
