@@ -214,6 +214,41 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
   });
 }
 
+// Output vectors v and v + 1 of a row, a·c + b·s from the row's tables C and S at vector v. bf16
+// with no NaN result (the common case) narrows and packs both at once: one 32-byte store, no
+// 16-byte pack and extract per vector.
+template <typename L>
+ROME_INLINE void put_pair(const Work& w, bool stream, typename L::T* y, std::int64_t v, __m256 a0,
+                          __m256 b0, __m256 a1, __m256 b1, const float* C, const float* S) {
+  constexpr bool kExact = L::kExactProducts;
+  if constexpr (L::kDType == DType::bf16) {
+    const __m256 out0 = kExact ? combine_exact_product(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S))
+                               : combine_unguarded(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S));
+    const __m256 out1 =
+        kExact ? combine_exact_product(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW))
+               : combine_unguarded(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW));
+    if (L::kNarrowWithoutNanCheck || __builtin_expect(!any_nan(out0, out1), 1)) {
+      auto* at = reinterpret_cast<__m256i*>(y + kW * v);
+      const __m256i packed = narrow_bf16_pair_not_nan(out0, out1);
+      if (stream)
+        _mm256_stream_si256(at, packed);
+      else
+        _mm256_storeu_si256(at, packed);
+      return;
+    }
+    // A NaN result: the exact way, with the NaN case of the narrowing.
+    put<L>(w, stream, y, v, epilogue<kExact>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S)));
+    put<L>(w, stream, y, v + 1,
+           epilogue<kExact>(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW)));
+  } else {
+    __m256 out0, out1;
+    epilogue_pair<kExact>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S), a1, _mm256_load_ps(C + kW),
+                          b1, _mm256_load_ps(S + kW), out0, out1);
+    put<L>(w, stream, y, v, out0);
+    put<L>(w, stream, y, v + 1, out1);
+  }
+}
+
 template <typename L>
 ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
   float* X = w.X + kW;
@@ -228,42 +263,9 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
       _mm256_store_ps(X + j, L::load(row.x + j));
       _mm256_store_ps(X + j + kW, L::load(row.x + j + kW));
     }
-    for (std::int64_t v = 0; v < w.V; v += 2) {
-      const __m256 a0 = _mm256_load_ps(X + kW * v), a1 = _mm256_load_ps(X + kW * (v + 1));
-      const __m256 b0 = b_lanes(v), b1 = b_lanes(v + 1);
-      const float* C = row.C + kW * v;
-      const float* S = row.S + kW * v;
-      if constexpr (L::kDType == DType::bf16) {
-        // bf16: no NaN lane (the common case) narrows and packs both vectors at once.
-        constexpr bool kExact = L::kExactProducts, kNoCheck = L::kNarrowWithoutNanCheck;
-        const __m256 out0 =
-            kExact ? combine_exact_product(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S))
-                   : combine_unguarded(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S));
-        const __m256 out1 =
-            kExact ? combine_exact_product(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW))
-                   : combine_unguarded(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW));
-        if (kNoCheck || __builtin_expect(!any_nan(out0, out1), 1)) {
-          auto* y = reinterpret_cast<__m256i*>(row.y + kW * v);
-          const __m256i packed = narrow_bf16_pair_not_nan(out0, out1);
-          if (stream)
-            _mm256_stream_si256(y, packed);
-          else
-            _mm256_storeu_si256(y, packed);
-          continue;
-        }
-        // A NaN result: the exact way, with the NaN case of the narrowing.
-        put<L>(w, stream, row.y, v, epilogue<kExact>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S)));
-        put<L>(w, stream, row.y, v + 1,
-               epilogue<kExact>(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW)));
-      } else {
-        __m256 out0, out1;
-        epilogue_pair<L::kExactProducts>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S), a1,
-                                         _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW), out0,
-                                         out1);
-        put<L>(w, stream, row.y, v, out0);
-        put<L>(w, stream, row.y, v + 1, out1);
-      }
-    }
+    for (std::int64_t v = 0; v < w.V; v += 2)
+      put_pair<L>(w, stream, row.y, v, _mm256_load_ps(X + kW * v), b_lanes(v),
+                  _mm256_load_ps(X + kW * (v + 1)), b_lanes(v + 1), row.C + kW * v, row.S + kW * v);
   });
 }
 
@@ -418,10 +420,10 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
 }
 
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
-// 2u + 1, output vector V/2 + u the other way round. bf16 splits each 16 lanes by a shift and a
-// mask (split_bf16), other types by shuffles of the widened vectors. In place the row is copied
-// into X first (bf16 as it is, others widened): output V/2 + u would overwrite an input vector not
-// yet read.
+// 2u + 1, output vector H + u the other way round; two of each at a time (put_pair) while they
+// last. bf16 splits each 16 lanes by a shift and a mask (split_bf16), other types by shuffles of
+// the widened vectors. In place the row is copied into X first (bf16 as it is, others widened):
+// output H + u would overwrite an input vector not yet read.
 template <typename L>
 ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
   const std::int64_t H = w.V / 2;
@@ -435,14 +437,24 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
         for (std::int64_t v = 0; v < w.V; ++v)
           _mm256_store_ps(w.X + kW * v, L::load(row.x + kW * v));
     }
-    for (std::int64_t u = 0; u < H; ++u) {
+    auto split = [&](std::int64_t u) ROME_INLINE_LAMBDA {
       const std::int64_t at = 2 * kW * u;
-      EvenOdd eo;
       if constexpr (L::kDType == DType::bf16)
-        eo = split_bf16(in_place ? bf16_copy + at : row.x + at);
+        return split_bf16(in_place ? bf16_copy + at : row.x + at);
       else
-        eo = in_place ? split_even_odd(_mm256_load_ps(w.X + at), _mm256_load_ps(w.X + at + kW))
-                      : split_even_odd(L::load(row.x + at), L::load(row.x + at + kW));
+        return in_place ? split_even_odd(_mm256_load_ps(w.X + at), _mm256_load_ps(w.X + at + kW))
+                        : split_even_odd(L::load(row.x + at), L::load(row.x + at + kW));
+    };
+    std::int64_t u = 0;
+    for (; u + 1 < H; u += 2) {
+      const EvenOdd e0 = split(u), e1 = split(u + 1);
+      put_pair<L>(w, stream, row.y, u, e0.even, e0.odd, e1.even, e1.odd, row.C + kW * u,
+                  row.S + kW * u);
+      put_pair<L>(w, stream, row.y, H + u, e0.odd, e0.even, e1.odd, e1.even, row.C + kW * (H + u),
+                  row.S + kW * (H + u));
+    }
+    if (u < H) {
+      const EvenOdd eo = split(u);
       const __m256 cu = _mm256_load_ps(row.C + kW * u), su = _mm256_load_ps(row.S + kW * u);
       const __m256 ch = _mm256_load_ps(row.C + kW * (H + u));
       const __m256 sh = _mm256_load_ps(row.S + kW * (H + u));
