@@ -193,6 +193,95 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, ExactProductEpilogue,
                                   "_tables_" + c.name;
                          });
 
+struct NamedRotation {
+  const char* name;
+  Rotation rotation;
+};
+
+// Every rotation on `tables` (kernel tables of `isa`) gives the scalar kernel's bits: x and tables
+// in every dtype, in place and out of place, a round with a NaN, an infinity and a row of
+// subnormal products, the plan cache switching rotation on every call.
+void expect_bits_of_scalar(
+    const std::vector<NamedRotation>& cases, Isa isa,
+    const std::vector<std::pair<const kernels::KernelTable*, const char*>>& tables) {
+  std::mt19937_64 rng(11);
+  for (int round = 0; round < 2; ++round)
+    for (DType xd : {DType::f32, DType::f16, DType::bf16})
+      for (DType td : {DType::f32, DType::bf16})
+        for (const NamedRotation& c : cases) {
+          const std::int64_t hd = c.rotation.head_dim(), rd = c.rotation.rotary_dim(), rows = 37;
+          TestTensor x = TestTensor::make(xd, {rows, hd});
+          x.fill_random(rng, -2.0, 2.0);
+          if (round == 1) {
+            x.set({3, 7}, std::numeric_limits<double>::quiet_NaN());
+            x.set({4, 9}, std::numeric_limits<double>::infinity());
+            for (std::int64_t j = 0; j < hd; ++j) x.set({5, j}, 1e-39 * double(j + 1));
+          }
+          TestTables t;
+          t.cos = TestTensor::make(td, {rows, rd});
+          t.sin = TestTensor::make(td, {rows, rd});
+          t.cos.fill_random(rng, -1.0, 1.0);
+          t.sin.fill_random(rng, -1.0, 1.0);
+          auto run = [&](Isa run_isa, const kernels::KernelTable* table, bool in_place) {
+            ScopedIsa scoped_isa(run_isa);
+            ScopedKernels scoped_kernels(table);
+            TestTensor out = in_place ? x : TestTensor::make(xd, x.shape);
+            rope_forward(c.rotation, t.view(),
+                         Operand{in_place ? out.cview() : x.cview(), out.view()});
+            return out;
+          };
+          const TestTensor want = run(Isa::scalar, nullptr, false);
+          for (const auto& [table, label] : tables)
+            for (bool in_place : {false, true}) {
+              const TestTensor got = run(isa, table, in_place);
+              for (std::int64_t e = 0; e < x.numel(); ++e)
+                ASSERT_EQ(bits_at(got, e), bits_at(want, e))
+                    << c.name << ", x " << dtype_name(xd) << ", tables " << dtype_name(td) << ", "
+                    << label << (in_place ? ", in place" : "") << ", element " << e;
+            }
+        }
+}
+
+// AVX2's 3D rotations (shifted_two): bf16 rows run 16 lanes at a time on even/odd tables when
+// every 16 lanes take B from at most two offsets, and keep the fp32 row otherwise; both ways, and
+// the other dtypes, give the scalar kernel's bits.
+TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMatchesScalar) {
+  const std::vector<Isa> isas = isas_under_test();
+  if (std::find(isas.begin(), isas.end(), Isa::avx2) == isas.end())
+    GTEST_SKIP() << "AVX2 is not under test";
+  struct Case {
+    NamedRotation named;
+    bool even_odd;  // bf16 rows on even/odd tables
+  };
+  const Case cases[] = {
+      {{"halves_44_44_40",
+        Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)})},
+       true},
+      {{"halves_44_42_42",
+        Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)})},
+       true},
+      {{"halves_16_56_56",
+        Rotation::block_diag({Rotation::half(16), Rotation::half(56), Rotation::half(56)})},
+       true},
+      // Lanes 0-15 take B from offsets +6, -6 and +10 (two per 8-lane vector): the fp32 row.
+      {{"halves_12_20_96",
+        Rotation::block_diag({Rotation::half(12), Rotation::half(20), Rotation::half(96)})},
+       false},
+  };
+  std::vector<NamedRotation> named;
+  for (const Case& c : cases) {
+    const kernels::TableLayoutFn layout = kernels::avx2_kernels().permute_table_layout;
+    ASSERT_NE(layout, nullptr);
+    EXPECT_EQ(layout(c.named.rotation.data(), DType::bf16) == kernels::TableLayout::even_odd_16,
+              c.even_odd)
+        << c.named.name;
+    EXPECT_EQ(layout(c.named.rotation.data(), DType::f32), kernels::TableLayout::natural)
+        << c.named.name;
+    named.push_back(c.named);
+  }
+  expect_bits_of_scalar(named, Isa::avx2, {{&kernels::avx2_kernels(), "avx2"}});
+}
+
 #ifdef ROME_TEST_HAVE_AVX512
 // The permutations compiled into the AVX-512 kernels: each is picked for its own rotation and for
 // no near miss (those run on the per-rotation tables); and every kind on both AVX-512 tables
@@ -211,85 +300,56 @@ TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndEveryKindMatchesScalar) {
   std::vector<float> a_lane0_empty = il64.to_dense_a();
   for (int i = 0; i < 64; ++i) a_lane0_empty[i * 64] = 0.0f;  // its source would read as lane 0
   struct Case {
-    const char* name;
-    Rotation rotation;
+    NamedRotation named;
     int plan;  // kernels::avx512_compiled_plan
   };
   const Case cases[] = {
-      {"halves_44_44_40", halves_44_44_40, 1},
-      {"halves_44_42_42",
-       Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)}), 2},
-      {"interleave_half_64", il64, 3},
-      {"interleave_half_128", Rotation::interleave_half(128), 4},
-      {"signs_flipped", Rotation::dense(flipped, 128), 1},  // signs live in the tables
-      {"interleave_half_128_of_256", Rotation::interleave_half(128).partial(256), 4},
-      {"halves_40_44_44",
-       Rotation::block_diag({Rotation::half(40), Rotation::half(44), Rotation::half(44)}), 0},
-      {"one_lane_empty", Rotation::dense(one_lane_empty, 128), 0},
-      {"a_lane0_empty", Rotation::dense(a_lane0_empty, il64.to_dense_b(), 64), 0},
-      {"b_of_interleave_half_a_identity", Rotation::dense(il64.to_dense_b(), 64), 0},
-      {"b_of_3d_a_deinterleave",
-       Rotation::dense(Rotation::interleave_half(128).to_dense_a(), halves_44_44_40.to_dense_b(),
-                       128),
+      {{"halves_44_44_40", halves_44_44_40}, 1},
+      {{"halves_44_42_42",
+        Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)})},
+       2},
+      {{"interleave_half_64", il64}, 3},
+      {{"interleave_half_128", Rotation::interleave_half(128)}, 4},
+      {{"signs_flipped", Rotation::dense(flipped, 128)}, 1},  // signs live in the tables
+      {{"interleave_half_128_of_256", Rotation::interleave_half(128).partial(256)}, 4},
+      {{"halves_40_44_44",
+        Rotation::block_diag({Rotation::half(40), Rotation::half(44), Rotation::half(44)})},
        0},
-      {"interleave_half_32", Rotation::interleave_half(32), 0},
-      {"interleave_half_64_at_32_of_128", il64.partial(128, 32), -1},  // plan of the shifted form
+      {{"one_lane_empty", Rotation::dense(one_lane_empty, 128)}, 0},
+      {{"a_lane0_empty", Rotation::dense(a_lane0_empty, il64.to_dense_b(), 64)}, 0},
+      {{"b_of_interleave_half_a_identity", Rotation::dense(il64.to_dense_b(), 64)}, 0},
+      {{"b_of_3d_a_deinterleave", Rotation::dense(Rotation::interleave_half(128).to_dense_a(),
+                                                  halves_44_44_40.to_dense_b(), 128)},
+       0},
+      {{"interleave_half_32", Rotation::interleave_half(32)}, 0},
+      {{"interleave_half_64_at_32_of_128", il64.partial(128, 32)}, -1},  // plan of the shifted form
       // AVX-512's other kinds, on the table the core installs without AVX512-BF16 too: only
       // this test runs them there on a CPU that has the instructions.
-      {"half_128", Rotation::half(128), -1},
-      {"half_64", Rotation::half(64), -1},
-      {"half_256", Rotation::half(256), -1},
-      {"half_80", Rotation::half(80), -1},
-      {"interleave_128", Rotation::interleave(128), -1},
-      {"quarter_128", Rotation::quarter(128), -1},
-      {"halves_64_64", Rotation::block_diag({Rotation::half(64), Rotation::half(64)}), -1},
-      {"halves_16_56_56",
-       Rotation::block_diag({Rotation::half(16), Rotation::half(56), Rotation::half(56)}), -1},
-      {"half_64_of_128", Rotation::half(64).partial(128), -1},
-      {"interleave_half_96", Rotation::interleave_half(96), -1},
+      {{"half_128", Rotation::half(128)}, -1},
+      {{"half_64", Rotation::half(64)}, -1},
+      {{"half_256", Rotation::half(256)}, -1},
+      {{"half_80", Rotation::half(80)}, -1},
+      {{"interleave_128", Rotation::interleave(128)}, -1},
+      {{"quarter_128", Rotation::quarter(128)}, -1},
+      {{"halves_64_64", Rotation::block_diag({Rotation::half(64), Rotation::half(64)})}, -1},
+      {{"halves_16_56_56",
+        Rotation::block_diag({Rotation::half(16), Rotation::half(56), Rotation::half(56)})},
+       -1},
+      {{"half_64_of_128", Rotation::half(64).partial(128)}, -1},
+      {{"interleave_half_96", Rotation::interleave_half(96)}, -1},
   };
-  for (const Case& c : cases)
-    if (c.plan >= 0) EXPECT_EQ(kernels::avx512_compiled_plan(c.rotation.data()), c.plan) << c.name;
-
-  std::vector<const kernels::KernelTable*> tables{&kernels::avx512_kernels(false)};
-  if (detail::cpu_features().avx512_bf16) tables.push_back(&kernels::avx512_kernels(true));
-  std::mt19937_64 rng(11);
-  for (int round = 0; round < 2; ++round)
-    for (DType xd : {DType::f32, DType::f16, DType::bf16})
-      for (DType td : {DType::f32, DType::bf16})
-        for (const Case& c : cases) {
-          const std::int64_t hd = c.rotation.head_dim(), rd = c.rotation.rotary_dim(), rows = 37;
-          TestTensor x = TestTensor::make(xd, {rows, hd});
-          x.fill_random(rng, -2.0, 2.0);
-          if (round == 1) {  // a NaN, an infinity and a row of subnormal products
-            x.set({3, 7}, std::numeric_limits<double>::quiet_NaN());
-            x.set({4, 9}, std::numeric_limits<double>::infinity());
-            for (std::int64_t j = 0; j < hd; ++j) x.set({5, j}, 1e-39 * double(j + 1));
-          }
-          TestTables t;
-          t.cos = TestTensor::make(td, {rows, rd});
-          t.sin = TestTensor::make(td, {rows, rd});
-          t.cos.fill_random(rng, -1.0, 1.0);
-          t.sin.fill_random(rng, -1.0, 1.0);
-          auto run = [&](Isa isa, const kernels::KernelTable* table, bool in_place) {
-            ScopedIsa scoped_isa(isa);
-            ScopedKernels scoped_kernels(table);
-            TestTensor out = in_place ? x : TestTensor::make(xd, x.shape);
-            rope_forward(c.rotation, t.view(),
-                         Operand{in_place ? out.cview() : x.cview(), out.view()});
-            return out;
-          };
-          const TestTensor want = run(Isa::scalar, nullptr, false);
-          for (const kernels::KernelTable* table : tables)
-            for (bool in_place : {false, true}) {
-              const TestTensor got = run(Isa::avx512, table, in_place);
-              for (std::int64_t e = 0; e < x.numel(); ++e)
-                ASSERT_EQ(bits_at(got, e), bits_at(want, e))
-                    << c.name << ", x " << dtype_name(xd) << ", tables " << dtype_name(td)
-                    << (table == tables[0] ? ", integer bf16 narrowing" : ", AVX512-BF16")
-                    << (in_place ? ", in place" : "") << ", element " << e;
-            }
-        }
+  std::vector<NamedRotation> named;
+  for (const Case& c : cases) {
+    if (c.plan >= 0) {
+      EXPECT_EQ(kernels::avx512_compiled_plan(c.named.rotation.data()), c.plan) << c.named.name;
+    }
+    named.push_back(c.named);
+  }
+  std::vector<std::pair<const kernels::KernelTable*, const char*>> tables{
+      {&kernels::avx512_kernels(false), "integer bf16 narrowing"}};
+  if (detail::cpu_features().avx512_bf16)
+    tables.push_back({&kernels::avx512_kernels(true), "AVX512-BF16"});
+  expect_bits_of_scalar(named, Isa::avx512, tables);
 }
 #endif
 
