@@ -174,12 +174,9 @@ ROME_INLINE __m256 combine_unguarded(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), _mm256_fmsub_ps(xa, c, p));
 }
 
-// Whether a or b has a NaN lane, in two operations instead of three: a + b is NaN wherever a or b
-// is. It is also NaN where they are infinities of opposite signs; the caller's exact redo is
-// merely not needed there, never wrong.
+// Whether a or b has a NaN lane: one compare (unordered: lane i of a or of b is NaN) and a test.
 ROME_INLINE bool any_nan(__m256 a, __m256 b) {
-  const __m256 sum = _mm256_add_ps(a, b);
-  const __m256 nan = _mm256_cmp_ps(sum, sum, _CMP_UNORD_Q);
+  const __m256 nan = _mm256_cmp_ps(a, b, _CMP_UNORD_Q);
   return !_mm256_testz_ps(nan, nan);
 }
 
