@@ -273,7 +273,7 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
 // into their even lanes (shifted up) and odd lanes (masked), and the tables come in that order
 // (TableLayout::even_odd_16). Interleave pairs an even lane with the odd lane beside it; half
 // and quarter pair chunk c with chunk c ^ K. The outputs are rounded as Bf16::narrow does and
-// merged back by a shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle (the
+// merged back by a shift and a word blend: no vpmovzx, pack or lane-crossing shuffle (the
 // splitting and rounding helpers are in avx2_lanes.hpp, shared with the QK-norm kernel).
 template <bool kStream>
 ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w) {
@@ -299,18 +299,16 @@ ROME_INLINE void bf16_chunk(const EvenOdd& a, const EvenOdd& b, const float* C, 
                        : combine_unguarded(a.even, c_even, b_even, s_even);
   __m256 odd = kExact ? combine_exact_product(a.odd, c_odd, b_odd, s_odd)
                       : combine_unguarded(a.odd, c_odd, b_odd, s_odd);
-  const __m256i high = _mm256_set1_epi32(int(0xffff0000u));
   if (kNoNanCheck || __builtin_expect(!any_nan(even, odd), 1)) {
-    store_bf16<kStream>(y, _mm256_or_si256(_mm256_srli_epi32(round_bf16_high_not_nan(even), 16),
-                                           _mm256_and_si256(round_bf16_high_not_nan(odd), high)));
+    store_bf16<kStream>(
+        y, merge_bf16_even_odd(round_bf16_high_not_nan(even), round_bf16_high_not_nan(odd)));
     return;
   }
   if constexpr (!kExact) {
     even = avx2::combine(a.even, c_even, b_even, s_even);
     odd = avx2::combine(a.odd, c_odd, b_odd, s_odd);
   }
-  store_bf16<kStream>(y, _mm256_or_si256(_mm256_srli_epi32(round_bf16_high(even), 16),
-                                         _mm256_and_si256(round_bf16_high(odd), high)));
+  store_bf16<kStream>(y, merge_bf16_even_odd(round_bf16_high(even), round_bf16_high(odd)));
 }
 
 template <typename L, bool kStream>

@@ -86,6 +86,12 @@ ROME_INLINE __m256i round_bf16_high(__m256 v) {
                                               _mm256_cmp_ps(v, v, _CMP_UNORD_Q)));
 }
 
+// 16 bf16 values in lane order from the rounded even and odd lanes (round_bf16_high*): the even
+// lanes' upper halves shifted down, the odd lanes' kept in place (one shift and one word blend).
+ROME_INLINE __m256i merge_bf16_even_odd(__m256i even, __m256i odd) {
+  return _mm256_blend_epi16(_mm256_srli_epi32(even, 16), odd, 0xaa);
+}
+
 // The upper halves of 8 lanes as 8 packed 16-bit values.
 ROME_INLINE __m128i pack_high_halves(__m256i rounded) {
   const __m256i h = _mm256_srli_epi32(rounded, 16);
@@ -181,8 +187,8 @@ ROME_INLINE bool any_nan(__m256 a, __m256 b) {
 }
 
 // bf16, 16 lanes at a time: one 32-byte load split into its even lanes (shifted up) and its odd
-// lanes (masked) as two fp32 vectors; results go back through round_bf16_high(_not_nan) and a
-// shift, a mask and an or: no vpmovzx, pack or lane-crossing shuffle.
+// lanes (masked) as two fp32 vectors; results go back through round_bf16_high(_not_nan) and
+// merge_bf16_even_odd: no vpmovzx, pack or lane-crossing shuffle.
 struct EvenOdd {
   __m256 even, odd;
 };

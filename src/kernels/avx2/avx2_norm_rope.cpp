@@ -87,14 +87,13 @@ struct Bf16EvenOdd {
     return {{_mm256_loadu_ps(w), _mm256_loadu_ps(w + kW)}};
   }
   static ROME_INLINE void store_finite(T* y, const Chunk& c) {
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
-                        _mm256_blend_epi16(_mm256_srli_epi32(round_bf16_high_not_nan(c.v[0]), 16),
-                                           round_bf16_high_not_nan(c.v[1]), 0xaa));
+    _mm256_storeu_si256(
+        reinterpret_cast<__m256i*>(y),
+        merge_bf16_even_odd(round_bf16_high_not_nan(c.v[0]), round_bf16_high_not_nan(c.v[1])));
   }
   static ROME_INLINE void store(T* y, const Chunk& c, std::int64_t) {
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(y),
-                        _mm256_blend_epi16(_mm256_srli_epi32(round_bf16_high(c.v[0]), 16),
-                                           round_bf16_high(c.v[1]), 0xaa));
+                        merge_bf16_even_odd(round_bf16_high(c.v[0]), round_bf16_high(c.v[1])));
   }
   // A lane's pair partner is in the other half of its chunk.
   static ROME_INLINE Chunk swap_pairs(const Chunk& c) { return {{c.v[1], c.v[0]}}; }
