@@ -263,6 +263,10 @@ TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMat
       {{"halves_16_56_56",
         Rotation::block_diag({Rotation::half(16), Rotation::half(56), Rotation::half(56)})},
        true},
+      // 256 lanes: the row copies live in the thread's scratch buffer, not on the stack.
+      {{"halves_88_88_80",
+        Rotation::block_diag({Rotation::half(88), Rotation::half(88), Rotation::half(80)})},
+       true},
       // Lanes 0-15 take B from offsets +6, -6 and +10 (two per 8-lane vector): the fp32 row.
       {{"halves_12_20_96",
         Rotation::block_diag({Rotation::half(12), Rotation::half(20), Rotation::half(96)})},
