@@ -253,24 +253,17 @@ TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMat
     NamedRotation named;
     bool even_odd;  // bf16 rows on even/odd tables
   };
+  auto halves = [](int a, int b, int c) {
+    return Rotation::block_diag({Rotation::half(a), Rotation::half(b), Rotation::half(c)});
+  };
   const Case cases[] = {
-      {{"halves_44_44_40",
-        Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)})},
-       true},
-      {{"halves_44_42_42",
-        Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)})},
-       true},
-      {{"halves_16_56_56",
-        Rotation::block_diag({Rotation::half(16), Rotation::half(56), Rotation::half(56)})},
-       true},
+      {{"halves_44_44_40", halves(44, 44, 40)}, true},
+      {{"halves_44_42_42", halves(44, 42, 42)}, true},
+      {{"halves_16_56_56", halves(16, 56, 56)}, true},
       // 256 lanes: the row copies live in the thread's scratch buffer, not on the stack.
-      {{"halves_88_88_80",
-        Rotation::block_diag({Rotation::half(88), Rotation::half(88), Rotation::half(80)})},
-       true},
+      {{"halves_88_88_80", halves(88, 88, 80)}, true},
       // Lanes 0-15 take B from offsets +6, -6 and +10 (two per 8-lane vector): the fp32 row.
-      {{"halves_12_20_96",
-        Rotation::block_diag({Rotation::half(12), Rotation::half(20), Rotation::half(96)})},
-       false},
+      {{"halves_12_20_96", halves(12, 20, 96)}, false},
   };
   std::vector<NamedRotation> named;
   for (const Case& c : cases) {
