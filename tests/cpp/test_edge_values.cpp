@@ -90,7 +90,7 @@ std::vector<SpecialCase> special_cases() {
       {Rotation::interleave(32), "interleave32"},
       {Rotation::quarter(64), "quarter64"},
       {Rotation::half(24), "half24"},
-      // AVX2's shifted_two row loop; AVX-512's compiled plans
+      // AVX2's shifted_two rows (bf16: 16 lanes at a time); AVX-512's compiled plans
       {Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)}),
        "half3d_44_44_40"},
       {Rotation::block_diag({Rotation::half(44), Rotation::half(42), Rotation::half(42)}),
@@ -277,6 +277,19 @@ TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMat
     named.push_back(c.named);
   }
   expect_bits_of_scalar(named, Isa::avx2, {{&kernels::avx2_kernels(), "avx2"}});
+}
+
+// AVX2's interleave-half rows: output vector pairs (u, u + 1 and H + u, H + u + 1) stored at once,
+// then the last vector of each half alone when H is odd (48, 80 lanes), in and out of place.
+TEST(Avx2Deinterleave, VectorPairsAndTheOddVectorMatchScalar) {
+  const std::vector<Isa> isas = isas_under_test();
+  if (std::find(isas.begin(), isas.end(), Isa::avx2) == isas.end())
+    GTEST_SKIP() << "AVX2 is not under test";
+  expect_bits_of_scalar({{"interleave_half_48", Rotation::interleave_half(48)},
+                         {"interleave_half_80", Rotation::interleave_half(80)},
+                         {"interleave_half_128", Rotation::interleave_half(128)},
+                         {"interleave_half_64_of_96", Rotation::interleave_half(64).partial(96)}},
+                        Isa::avx2, {{&kernels::avx2_kernels(), "avx2"}});
 }
 
 #ifdef ROME_TEST_HAVE_AVX512

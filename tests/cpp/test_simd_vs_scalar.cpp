@@ -710,12 +710,15 @@ struct Placed {
 };
 
 // The rotation families LargeTensorsStreaming runs for its config-th layout and dtype: one in
-// turn, and for bf16 the 3D blocks (family 2: shifted_two's paired narrowing and 32-byte
-// streaming stores) always.
+// turn, and for bf16 always the 3D blocks (family 2: AVX2's 16-lane shifted rows), 3D blocks
+// AVX2 cannot take 16 lanes at a time (family 4: shifted_two's paired narrowing and 32-byte
+// streaming stores) and interleave-half (family 5: the same stores from the deinterleave kind).
 std::vector<int> families(int config, DType dtype) {
   const int cycled = config % 4;
-  if (dtype == DType::bf16 && cycled != 2) return {cycled, 2};
-  return {cycled};
+  if (dtype != DType::bf16) return {cycled};
+  std::vector<int> out{cycled, 4, 5};
+  if (cycled != 2) out.push_back(2);
+  return out;
 }
 
 // Tensors of MiBs: the kernels prefetch ahead and, with the L3 share reported as 1 MiB (the core
@@ -747,7 +750,10 @@ TEST(SimdVsScalar, LargeTensorsStreaming) {
             : family == 1 ? Rotation::interleave(128)
             : family == 2
                 ? Rotation::block_diag({Rotation::half(44), Rotation::half(44), Rotation::half(40)})
-                : Rotation::half(64).partial(128);
+            : family == 3 ? Rotation::half(64).partial(128)
+            : family == 4
+                ? Rotation::block_diag({Rotation::half(12), Rotation::half(20), Rotation::half(96)})
+                : Rotation::interleave_half(128);
         const std::int64_t rd = rotation.rotary_dim(), seq = layout.shape[layout.seq_axis];
         // [S, rd] tables for BNSD, [S, 1, rd] for BSND.
         std::vector<float> cos(seq * rd), sin(seq * rd);

@@ -4,16 +4,19 @@
 // loads/stores for fp32 tails, a staging buffer for 16-bit ones). Here is what only AVX2 has:
 // the kinds that replace AVX-512's two-source permutes (vpermt2ps), and a bf16 path:
 //  - deinterleave: interleave_half (DeepSeek MLA): output vectors u and V/2 + u are the even and
-//             the odd lanes of input vectors 2u and 2u + 1 (two shuffles, two lane permutes);
+//             the odd lanes of input vectors 2u and 2u + 1 (bf16: a shift and a mask per 16
+//             lanes; others: two shuffles, two lane permutes), two of each narrowed and stored
+//             at once;
 //  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
 //             widened into an fp32 buffer (block diagonals such as 44+44+40); shifted_two when
 //             two loads always do (every half-block at least 8 lanes): no branches, two vectors
 //             per step, bf16 narrowed and packed as a pair;
 //  - general: vpermps (_mm256_permutevar8x32_ps) steps of the plan, blended into a zeroed
 //             accumulator;
-//  - bf16 rows of the pairs, half and quarter kinds go 16 lanes at a time on tables in even/odd
-//    order (TableLayout::even_odd_16): no permute, no pack (8-lane bf16 vectors cost a vpmovzx
-//    to widen and a pack and a lane-crossing shuffle to narrow).
+//  - bf16 rows of the pairs, half and quarter kinds, and of shifted_two where every 16 lanes take
+//    B from at most two offsets (3D RoPE), go 16 lanes at a time on tables in even/odd order
+//    (TableLayout::even_odd_16): no permute, no pack (8-lane bf16 vectors cost a vpmovzx to
+//    widen and a pack and a lane-crossing shuffle to narrow).
 // The exact-product choice is a template parameter (RowLanes); two outputs at a time
 // (epilogue_pair) run the compensated epilogue unguarded and redo it guarded only when a result
 // is NaN; bf16 narrows without its NaN case where kernel_api.hpp's nan_results_low_bits_zero
@@ -191,8 +194,9 @@ struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
 // ---------------------------------------------------------------------------------------------
 // Row loops of AVX2's own kinds
 
-// The row is widened into X (one vector of padding each side: a shifted load may start up to 7
-// lanes before the row or end up to 7 lanes past it; those lanes are never selected).
+// The row is widened into X (a vector of padding before it and at least one after: a shifted load
+// may start up to 7 lanes before the row or end up to 7 lanes past it; those lanes are never
+// selected).
 template <typename L>
 ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
   float* const X = w.X + kW;
@@ -272,7 +276,8 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
 // bf16 rows, 16 lanes at a time without any permute: the 16 values of one 32-byte load split
 // into their even lanes (shifted up) and odd lanes (masked), and the tables come in that order
 // (TableLayout::even_odd_16). Interleave pairs an even lane with the odd lane beside it; half
-// and quarter pair chunk c with chunk c ^ K. The outputs are rounded as Bf16::narrow does and
+// and quarter pair chunk c with chunk c ^ K; 3D rows take their partner lanes from shifted loads
+// (rows_bf16_shifted). The outputs are rounded as Bf16::narrow does and
 // merged back by a shift and a word blend: no vpmovzx, pack or lane-crossing shuffle (the
 // splitting and rounding helpers are in avx2_lanes.hpp, shared with the QK-norm kernel).
 template <bool kStream>
@@ -466,7 +471,7 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
 
 // Whether bf16 rows of this plan run 16 lanes at a time on even/odd tables.
 bool even_odd_kind(const Plan& p, std::int64_t rd) {
-  if (p.kind == Kind::pairs) return rd % 16 == 0;
+  if (p.kind == Kind::pairs) return rd % 16 == 0;  // shifted_two rows are whole 16-lane chunks
   if (p.kind == Kind::half_move || p.kind == Kind::quarter_move) return p.xor_k % 2 == 0;
   return p.kind == Kind::shifted_two && p.bf16_chunks;
 }

@@ -73,7 +73,7 @@ struct Work : P {
   bool pass = false;                 // copy lanes [rd, hd)
   bool stream = false;               // non-temporal stores for 64-byte aligned rows
   bool exact_products = false;       // kernel_api.hpp: exact_products
-  float* X = nullptr;                // the row in fp32 (general rows)
+  float* X = nullptr;                // the row in fp32 (general rows), or ISA row copies
 };
 
 template <class W>
@@ -368,11 +368,11 @@ ROME_INLINE const P& prepared_plan(const RotationData& r, const Work<P>& w, Buil
   return prepared.plan;
 }
 
-// One tile: sets up the Work (X: the row widened to fp32, with I::kPadVectors vectors of padding,
-// on the stack when small), runs rows(kind, w, run) on each token's run of rows and fences
-// non-temporal stores, which are weakly ordered, before the tile is reported done. The token
-// loop stays outside the row loops: inside them it cost the register-row kernels registers
-// (3D 44/44/40 in place, 1 thread: 1.50 -> 2.0x the copy).
+// One tile: sets up the Work (X: the row widened to fp32, or row copies an ISA's kinds keep,
+// with I::kPadVectors vectors of padding, on the stack when small), runs rows(kind, w, run) on
+// each token's run of rows and fences non-temporal stores, which are weakly ordered, before the
+// tile is reported done. The token loop stays outside the row loops: inside them it cost the
+// register-row kernels registers (3D 44/44/40 in place, 1 thread: 1.50 -> 2.0x the copy).
 template <class P, class Build, class Rows>
 ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Build build,
                               Rows rows) {
