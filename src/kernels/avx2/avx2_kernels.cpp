@@ -403,6 +403,8 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
     _mm256_store_si256(reinterpret_cast<__m256i*>(copy + w.rd), zero);
   }
   int next = 0;
+  // The row copied last and not yet rotated. A flag of its own: testing pending.x instead took
+  // 5% longer per call in L1 (3D 44/44/40, 14.5 against 13.8 us).
   Row<L> pending{};
   bool pending_stream = false, have_pending = false;
   auto rotate = [&](const Row<L>& row, bool stream, const std::uint16_t* copy) ROME_INLINE_LAMBDA {
@@ -435,7 +437,7 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
     [[maybe_unused]] const auto* bf16_copy = reinterpret_cast<const typename L::T*>(w.X);
     if (in_place) {
       if constexpr (L::kDType == DType::bf16)
-        std::memcpy(w.X, row.x, std::size_t(w.rd) * sizeof(typename L::T));
+        copy_row_bf16(row.x, w.rd, reinterpret_cast<std::uint16_t*>(w.X));
       else
         for (std::int64_t v = 0; v < w.V; ++v)
           _mm256_store_ps(w.X + kW * v, L::load(row.x + kW * v));
@@ -471,7 +473,7 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
 
 // Whether bf16 rows of this plan run 16 lanes at a time on even/odd tables.
 bool even_odd_kind(const Plan& p, std::int64_t rd) {
-  if (p.kind == Kind::pairs) return rd % 16 == 0;  // shifted_two rows are whole 16-lane chunks
+  if (p.kind == Kind::pairs) return rd % 16 == 0;
   if (p.kind == Kind::half_move || p.kind == Kind::quarter_move) return p.xor_k % 2 == 0;
   return p.kind == Kind::shifted_two && p.bf16_chunks;
 }
@@ -516,6 +518,17 @@ bool is_deinterleave(const RotationData& r, const Work& w) {
   return true;
 }
 
+// The slot of offset `off` among the n offsets in d, appending it while fewer than `most` are
+// taken; -1 when it would be one too many.
+int offset_slot(std::int32_t* d, int& n, int most, std::int32_t off) {
+  int i = 0;
+  while (i < n && d[i] != off) ++i;
+  if (i < n) return i;
+  if (n == most) return -1;
+  d[n] = off;
+  return n++;
+}
+
 // Offsets and lane masks of the shifted kind; false when some vector needs more than
 // kMaxShifts loads.
 bool classify_shifted(const RotationData& r, const Work& w, std::int32_t* count,
@@ -527,13 +540,8 @@ bool classify_shifted(const RotationData& r, const Work& w, std::int32_t* count,
     for (int l = 0; l < lanes_of(w, v); ++l) {
       const std::int64_t j = kW * v + l;
       if (r.b.sign[j] == 0) continue;
-      const std::int32_t off = r.b.src[j] - std::int32_t(j);
-      int i = 0;
-      while (i < n && d[i] != off) ++i;
-      if (i == n) {
-        if (n == kMaxShifts) return false;
-        d[n++] = off;
-      }
+      const int i = offset_slot(d, n, kMaxShifts, r.b.src[j] - std::int32_t(j));
+      if (i < 0) return false;
       lanes[i] |= 1u << l;
     }
     count[v] = n;
@@ -565,13 +573,8 @@ bool classify_chunks(const RotationData& r, const Work& w, std::int32_t* offset,
     alignas(32) std::uint16_t second[16] = {};
     for (int l = 0; l < 16; ++l) {
       const std::int64_t j = 16 * k + l;
-      const std::int32_t off = r.b.src[j] - std::int32_t(j);
-      int i = 0;
-      while (i < n && d[i] != off) ++i;
-      if (i == n) {
-        if (n == 2) return false;
-        d[n++] = off;
-      }
+      const int i = offset_slot(d, n, 2, r.b.src[j] - std::int32_t(j));
+      if (i < 0) return false;
       second[l] = i == 1 ? 0xffff : 0;
     }
     offset[2 * k] = d[0];
@@ -610,8 +613,7 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   if (p.kind == Kind::general && r.a_identity &&
       classify_shifted(r, w, shift_count, shift_offset, shift_mask))
     p.kind = two_shifts(r, w, shift_count) ? Kind::shifted_two : Kind::shifted;
-  p.bf16_chunks = p.kind == Kind::shifted_two && w.rd % 16 == 0 &&
-                  classify_chunks(r, w, chunk_offset, chunk_mask);
+  p.bf16_chunks = p.kind == Kind::shifted_two && classify_chunks(r, w, chunk_offset, chunk_mask);
   for (std::int64_t i = 0; i < b_steps; ++i) b_masks[i] = blend_mask(pb.steps[i].lanes);
   for (std::int64_t i = 0; i < a_steps; ++i) a_masks[i] = blend_mask(pa.steps[i].lanes);
   p.idx = idx;
