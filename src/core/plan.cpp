@@ -763,6 +763,17 @@ CacheRows cache_rows(const TablePlan& t, int64_t p) {
           t.sin + p * t.sin_row * dtype_size(t.dtype_sin)};
 }
 
+// The cos and sin rows of direct tables (no positions) for the token at `outer`.
+CacheRows direct_rows(const ForwardPlan& plan, const int64_t* outer) {
+  const TablePlan& t = plan.tables;
+  int64_t oc = 0, os = 0;
+  for (int i = 0; i < plan.outer_count; ++i) {
+    oc += outer[i] * t.cos_outer[i];
+    os += outer[i] * t.sin_outer[i];
+  }
+  return {t.cos + oc * dtype_size(t.dtype_cos), t.sin + os * dtype_size(t.dtype_sin)};
+}
+
 // cos/sin of every frequency at the token's position(s), then spread over the lanes.
 TableRow table_free_row(const ForwardPlan& plan, const int64_t* outer, float* cos, float* sin) {
   const TablePlan& t = plan.tables;
@@ -820,13 +831,9 @@ TableRow load_table_row_as_given(const ForwardPlan& plan, const int64_t* outer, 
   const char* crow = nullptr;
   const char* srow = nullptr;
   if (!t.positions) {
-    int64_t oc = 0, os = 0;
-    for (int i = 0; i < plan.outer_count; ++i) {
-      oc += outer[i] * t.cos_outer[i];
-      os += outer[i] * t.sin_outer[i];
-    }
-    crow = t.cos + oc * ecs;
-    srow = t.sin + os * ess;
+    const CacheRows rows = direct_rows(plan, outer);
+    crow = rows.cos;
+    srow = rows.sin;
     if (t.direct_fp32_rows)
       return {reinterpret_cast<const float*>(crow), reinterpret_cast<const float*>(srow)};
   } else {
@@ -930,23 +937,25 @@ void prefetch_cache_rows(const ForwardPlan& plan, const int64_t* outer) {
 
 namespace {
 
-// One cache row of dtype D (unit lane stride) spread over rd lanes as load_table_row spreads it,
-// sin negated when asked (flip: the sign bit, as `-x` flips it) and the signs folded in, in one
-// pass: out[j] = bits(value of lane j) ^ signs[j] ^ flip. Pure data movement, so the bits are
-// those of load_table_row + fold_signs; a decode step spent most of its table time in their
-// three passes over a scratch row.
-template <DType D, bool kSigns>
-void spread_row_typed(const char* row, TableWidth width, int64_t w, int64_t rd,
+// One table row of dtype D (columns `lane` elements apart) spread over rd lanes as
+// load_table_row spreads it, sin negated when asked (flip: the sign bit, as `-x` flips it) and
+// the signs folded in, in one pass: out[j] = bits(value of lane j) ^ signs[j] ^ flip. Pure data
+// movement, so the bits are those of load_table_row + fold_signs; a decode step spent most of its
+// table time in their three passes over a scratch row. kUnitLane lets the compiler vectorise the
+// common case; complex tables' real and imaginary views (lane 2) take the other.
+template <DType D, bool kSigns, bool kUnitLane>
+void spread_row_typed(const char* row, int64_t lane, TableWidth width, int64_t w, int64_t rd,
                       const std::uint32_t* __restrict signs, std::uint32_t flip,
                       std::uint32_t* __restrict out) {
   const auto* __restrict p = reinterpret_cast<const typename Storage<D>::type*>(row);
   auto value = [&](int64_t c) -> std::uint32_t {
+    const auto* at = p + (kUnitLane ? c : c * lane);
     if constexpr (D == DType::f32) {
       std::uint32_t u;
-      std::memcpy(&u, p + c, 4);
+      std::memcpy(&u, at, 4);
       return u;
     } else {
-      return float_bits(load_float<D>(p + c));
+      return float_bits(load_float<D>(at));
     }
   };
   auto sign = [&](int64_t j) -> std::uint32_t {
@@ -976,27 +985,33 @@ void spread_row_typed(const char* row, TableWidth width, int64_t w, int64_t rd,
   }
 }
 
-template <bool kSigns>
-void spread_row(const char* row, DType dtype, TableWidth width, int64_t w, int64_t rd,
+template <bool kSigns, bool kUnitLane>
+void spread_row(const char* row, DType dtype, int64_t lane, TableWidth width, int64_t w, int64_t rd,
                 const std::uint32_t* signs, std::uint32_t flip, float* out) {
   // The table buffers are only ever written through these 32-bit lanes before the kernels read
   // them as floats.
   auto* dst = reinterpret_cast<std::uint32_t*>(out);
   switch (dtype) {
     case DType::f32:
-      return spread_row_typed<DType::f32, kSigns>(row, width, w, rd, signs, flip, dst);
+      return spread_row_typed<DType::f32, kSigns, kUnitLane>(row, lane, width, w, rd, signs, flip,
+                                                             dst);
     case DType::f16:
-      return spread_row_typed<DType::f16, kSigns>(row, width, w, rd, signs, flip, dst);
-    default: return spread_row_typed<DType::bf16, kSigns>(row, width, w, rd, signs, flip, dst);
+      return spread_row_typed<DType::f16, kSigns, kUnitLane>(row, lane, width, w, rd, signs, flip,
+                                                             dst);
+    default:
+      return spread_row_typed<DType::bf16, kSigns, kUnitLane>(row, lane, width, w, rd, signs, flip,
+                                                              dst);
   }
 }
 
-void spread_row(const char* row, DType dtype, TableWidth width, int64_t w, int64_t rd,
+void spread_row(const char* row, DType dtype, int64_t lane, TableWidth width, int64_t w, int64_t rd,
                 const std::uint32_t* signs, std::uint32_t flip, float* out) {
   if (signs)
-    spread_row<true>(row, dtype, width, w, rd, signs, flip, out);
+    lane == 1 ? spread_row<true, true>(row, dtype, lane, width, w, rd, signs, flip, out)
+              : spread_row<true, false>(row, dtype, lane, width, w, rd, signs, flip, out);
   else
-    spread_row<false>(row, dtype, width, w, rd, signs, flip, out);
+    lane == 1 ? spread_row<false, true>(row, dtype, lane, width, w, rd, signs, flip, out)
+              : spread_row<false, false>(row, dtype, lane, width, w, rd, signs, flip, out);
 }
 
 }  // namespace
@@ -1023,10 +1038,11 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       outer[last] = first + i;
       prefetch_cache_rows(plan, outer);
     }
-  // Rows gathered by one position per token from a float cache with unit lane strides (vLLM's
-  // cos_sin_cache): read, spread, negated and sign-folded in one pass (spread_row).
-  const bool spread = gather && t.cos_lane == 1 && t.sin_lane == 1 && is_floating(t.dtype_cos) &&
-                      is_floating(t.dtype_sin) &&
+  // Rows gathered by one position per token from a float cache (vLLM's cos_sin_cache), or direct
+  // rows that cannot be used as they are (16-bit, half width, strided: complex tables' real and
+  // imaginary views): read, spread, negated and sign-folded in one pass (spread_row).
+  const bool direct = !t.positions && !t.frequencies && !t.direct_fp32_rows;
+  const bool spread = (gather || direct) && is_floating(t.dtype_cos) && is_floating(t.dtype_sin) &&
                       (t.width == TableWidth::full || rd == 2 * t.columns);
   const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
   // Table-free half rows, one position per token: the rows kernel writes them into the tile a
@@ -1060,9 +1076,12 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
     float* folded_cos = even_odd ? row_cos : c;
     float* folded_sin = even_odd ? row_sin : s;
     if (spread) {
-      const CacheRows rows = cache_rows(t, position_at(t, positions_offset(plan, outer)));
-      spread_row(rows.cos, t.dtype_cos, t.width, t.columns, rd, cos_bits, 0u, folded_cos);
-      spread_row(rows.sin, t.dtype_sin, t.width, t.columns, rd, sin_bits, sin_flip, folded_sin);
+      const CacheRows rows = gather ? cache_rows(t, position_at(t, positions_offset(plan, outer)))
+                                    : direct_rows(plan, outer);
+      spread_row(rows.cos, t.dtype_cos, t.cos_lane, t.width, t.columns, rd, cos_bits, 0u,
+                 folded_cos);
+      spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
+                 folded_sin);
     } else if (free_rows) {
       fold_signs(c, cos_bits, 0u, rd, c);
       fold_signs(s, sin_bits, sin_flip, rd, s);

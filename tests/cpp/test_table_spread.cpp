@@ -1,8 +1,10 @@
-// prepare_table_tile's one-pass path for cache rows gathered by position (unit lane strides: read,
-// spread over the lanes, sine negated, signs folded in one loop) against its general path
-// (load_table_row, then fold_signs), which a cache with a lane stride of 2 takes: the same values
-// must give the same table tile bit for bit, for every cache dtype, width, rotation, inverse and
-// lane layout, with NaN payloads, infinities, signed zeros and subnormals among the values.
+// prepare_table_tile's one-pass path (read, spread over the lanes, sine negated, signs folded in
+// one loop) for cache rows gathered by position and for direct rows that cannot be used as given
+// (16-bit, half width, or a lane stride of 2 as in a complex table's real and imaginary views),
+// against its general path (load_table_row per column, then fold_signs), which the same cache
+// takes with one position per column (column_axis): the same values must give the same table tile
+// bit for bit, for every table dtype, width, rotation, inverse and lane layout, with NaN payloads,
+// infinities, signed zeros and subnormals among the values.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -95,7 +97,7 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
 
 }  // namespace
 
-TEST(TableSpread, GatheredRowsMatchGeneralPathBitForBit) {
+TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
   struct Named {
     std::string name;
     rome::Rotation rotation;
@@ -128,15 +130,42 @@ TEST(TableSpread, GatheredRowsMatchGeneralPathBitForBit) {
             std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
             for (std::int64_t i = 0; i < tokens; ++i)
               positions[std::size_t(i)] = (i * 7 + 3) % rows;
-            auto tables_of = [&](const Cache& c, const Cache& s, bool strided) {
+            // Direct tables: the rows the positions pick, copied in token order.
+            Cache dc, ds, sdc, sds;
+            auto direct_of = [&](const Cache& from, Cache& to, std::int64_t lane) {
+              const std::int64_t row_bytes = columns * lane * rome::dtype_size(dtype);
+              to.bytes.resize(std::size_t(tokens * row_bytes));
+              for (std::int64_t i = 0; i < tokens; ++i)
+                std::memcpy(&to.bytes[std::size_t(i * row_bytes)],
+                            &from.bytes[std::size_t(positions[std::size_t(i)] * row_bytes)],
+                            std::size_t(row_bytes));
+            };
+            direct_of(cc, dc, 1);
+            direct_of(sc, ds, 1);
+            direct_of(cs, sdc, 2);
+            direct_of(ss, sds, 2);
+            enum class Form { gathered, direct, per_column };
+            auto tables_of = [&](const Cache& c, const Cache& s, bool strided, Form form) {
               rome::Tables t;
               const std::int64_t lane = strided ? 2 : 1;
-              t.cos = rome::make_view<const void*>(c.bytes.data(), dtype, {rows, columns},
-                                                   {columns * lane, lane});
-              t.sin = rome::make_view<const void*>(s.bytes.data(), dtype, {rows, columns},
-                                                   {columns * lane, lane});
-              t.positions =
-                  rome::make_view<const void*>(positions.data(), DType::i64, {tokens, 1}, {1, 0});
+              const std::int64_t n = form == Form::direct ? tokens : rows;
+              t.cos = rome::make_view<const void*>(c.bytes.data(), dtype, {n, 1, columns},
+                                                   {columns * lane, 0, lane});
+              t.sin = rome::make_view<const void*>(s.bytes.data(), dtype, {n, 1, columns},
+                                                   {columns * lane, 0, lane});
+              if (form != Form::direct) {
+                t.cos.rank = t.sin.rank = 2;
+                t.cos.shape[1] = t.sin.shape[1] = columns;
+                t.cos.strides[1] = t.sin.strides[1] = lane;
+              }
+              if (form == Form::gathered)
+                t.positions =
+                    rome::make_view<const void*>(positions.data(), DType::i64, {tokens, 1}, {1, 0});
+              if (form == Form::per_column) {
+                t.positions = rome::make_view<const void*>(positions.data(), DType::i64,
+                                                           {tokens, 1, 1}, {1, 0, 1});
+                t.column_axis.assign(std::size_t(columns), 0);
+              }
               t.width = width;
               t.inverse = inverse;
               return t;
@@ -144,12 +173,19 @@ TEST(TableSpread, GatheredRowsMatchGeneralPathBitForBit) {
             const std::string what =
                 r.name + " " + rome::dtype_name(dtype) + " width " + std::to_string(int(width)) +
                 " inverse " + std::to_string(inverse) + " layout " + std::to_string(int(layout));
-            const Tile fast =
-                tile_of(r.rotation, tables_of(cc, sc, false), x, tokens, heads, layout);
-            const Tile general =
-                tile_of(r.rotation, tables_of(cs, ss, true), x, tokens, heads, layout);
-            EXPECT_TRUE(same_bits(fast.cos, general.cos)) << what;
-            EXPECT_TRUE(same_bits(fast.sin, general.sin)) << what;
+            const Tile general = tile_of(r.rotation, tables_of(cc, sc, false, Form::per_column), x,
+                                         tokens, heads, layout);
+            for (bool strided : {false, true})
+              for (Form form : {Form::gathered, Form::direct}) {
+                const Cache& c = form == Form::direct ? (strided ? sdc : dc) : (strided ? cs : cc);
+                const Cache& s = form == Form::direct ? (strided ? sds : ds) : (strided ? ss : sc);
+                const Tile fast =
+                    tile_of(r.rotation, tables_of(c, s, strided, form), x, tokens, heads, layout);
+                const std::string how = std::string(strided ? " lane stride 2" : " unit lanes") +
+                                        (form == Form::direct ? " direct" : " gathered");
+                EXPECT_TRUE(same_bits(fast.cos, general.cos)) << what << how;
+                EXPECT_TRUE(same_bits(fast.sin, general.sin)) << what << how;
+              }
             ++cases;
           }
   }
