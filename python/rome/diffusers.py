@@ -28,6 +28,7 @@ The tables are used as given (per-lane values, no pair symmetry assumed), in the
   k/v projections) and anything else run diffusers' processor.
 """
 
+import weakref
 from typing import Tuple, Union
 
 import torch
@@ -60,6 +61,29 @@ def _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
     freqs_cis = freqs_cis.unsqueeze(2)
     x_out = torch.view_as_real(x_rotated * freqs_cis).flatten(3)
     return x_out.type_as(x)
+
+
+# Per unsqueeze axis: the last complex freqs_cis seen (weakly), its data pointer and shape, and the
+# real and imaginary parts of freqs_cis.unsqueeze(axis) as strided views. Qwen-Image and Lumina
+# hand the same freqs_cis to every block's q and k; building the views took a third of a small
+# call. The views see in-place changes of freqs_cis (they share its storage); a new tensor, a new
+# storage or a new shape builds them again. They keep the last freqs_cis's storage alive.
+_complex_views = {}
+
+
+def _real_imag(freqs_cis: torch.Tensor, axis: int):
+    if torch.compiler.is_compiling():  # traced: no data pointers, nothing to cache
+        freqs = freqs_cis.unsqueeze(axis)
+        return freqs.real, freqs.imag
+    hit = _complex_views.get(axis)
+    if (hit is not None and hit[0]() is freqs_cis and hit[1] == freqs_cis.data_ptr()
+            and hit[2] == freqs_cis.shape):
+        return hit[3], hit[4]
+    freqs = freqs_cis.unsqueeze(axis)
+    real, imag = freqs.real, freqs.imag
+    _complex_views[axis] = (weakref.ref(freqs_cis), freqs_cis.data_ptr(), freqs_cis.shape, real,
+                            imag)
+    return real, imag
 
 
 def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> bool:
@@ -130,9 +154,9 @@ def apply_rotary_emb(
             or not _broadcasts_to(freqs.shape[:-1], x.shape[:-1])
             or (torch.is_grad_enabled() and freqs_cis.requires_grad)):
         return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-    cos = freqs.real.contiguous()
-    sin = freqs.imag.contiguous()
-    return ops.rope(x, None, cos, sin, rotation="interleave", table_width="pairs")[0]
+    cos, sin = _real_imag(freqs_cis, 2)  # strided views: the kernel reads their columns
+    return torch.ops.rome.rope(x, None, cos, sin, None, "interleave", [], -1, "pairs", [], None,
+                               None)[0]
 
 
 def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
@@ -147,16 +171,15 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
     """
     if use_real:
         return apply_rotary_emb(x, freqs_cis, True, use_real_unbind_dim, sequence_dim=2)
-    if (not torch.is_tensor(freqs_cis) or freqs_cis.dtype != torch.complex64
-            or freqs_cis.device.type != "cpu" or x.device.type != "cpu"
-            or x.dtype not in _KERNEL_DTYPES or x.dim() != 4
-            or (torch.is_grad_enabled() and freqs_cis.requires_grad)
+    if (not isinstance(freqs_cis, torch.Tensor) or freqs_cis.dtype != torch.complex64
+            or not freqs_cis.is_cpu or not x.is_cpu or x.dtype not in _KERNEL_DTYPES
+            or x.dim() != 4 or (freqs_cis.requires_grad and torch.is_grad_enabled())
             or torch.compiler.is_compiling()):
         return _qwen_reference(x, freqs_cis)
-    freqs = freqs_cis.unsqueeze(1)
-    try:  # the real and imaginary views as they are (stride 2): the kernel gathers table rows
-        return ops.rope(x, None, freqs.real, freqs.imag, rotation="interleave",
-                        table_width="pairs")[0]
+    cos, sin = _real_imag(freqs_cis, 1)  # strided views: the kernel reads their columns
+    try:
+        return torch.ops.rome.rope(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
+                                   None, None)[0]
     except (ValueError, IndexError):  # shapes the kernel does not take: PyTorch says why
         return _qwen_reference(x, freqs_cis)
 

@@ -479,6 +479,49 @@ def test_diffusers_complex(dtype):
     assert_correctly_rounded(out, exact, terms)
 
 
+def test_diffusers_complex_views_follow_their_tensor():
+    """The real/imaginary views the complex drop-ins keep per freqs_cis see in-place changes of
+    it, and a new tensor (even at a reused address), a new storage or a new shape gets views of
+    its own. Lumina's form takes freqs_cis [B, S, D/2], Qwen-Image's [S, D/2] (here a view of
+    the same tensor, kept across calls)."""
+    qwen = need_module("diffusers.models.transformers.transformer_qwenimage")
+    embeddings = need_module("diffusers.models.embeddings")
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 6, 2, 16, generator=g)
+
+    def freqs_of(rows, seed):
+        angle = torch.rand(1, rows, 8, generator=torch.Generator().manual_seed(seed)) * 9
+        return torch.polar(torch.ones_like(angle), angle)
+
+    def check(lumina, qwen_freqs):
+        ours = rome.diffusers.apply_rotary_emb(x, lumina, use_real=False)
+        torch.testing.assert_close(ours, embeddings.apply_rotary_emb(x, lumina, use_real=False),
+                                   rtol=2e-6, atol=2e-6)
+        ours = rome.diffusers.apply_rotary_emb_qwen(x, qwen_freqs, use_real=False)
+        torch.testing.assert_close(ours,
+                                   qwen.apply_rotary_emb_qwen(x, qwen_freqs, use_real=False),
+                                   rtol=2e-6, atol=2e-6)
+
+    freqs = freqs_of(6, 1)
+    rows = freqs[0]
+    check(freqs, rows)
+    freqs.mul_(torch.polar(torch.ones(6, 8), torch.full((6, 8), 0.7)))  # new values in place
+    check(freqs, rows)
+    del freqs, rows
+    for seed in range(2, 6):  # new tensors, likely at the freed addresses
+        freqs = freqs_of(6, seed)
+        check(freqs, freqs[0])
+        del freqs
+    wide = freqs_of(12, 7)
+    check(wide[:, ::2], wide[0, ::2])  # strided rows
+    freqs = freqs_of(6, 8)
+    rows = freqs[0]
+    check(freqs, rows)
+    freqs.set_(freqs_of(6, 9))  # the same tensor objects, new storage
+    rows.set_(freqs[0].clone())
+    check(freqs, rows)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_diffusers_wan_processor(dtype):
     """A tiny Wan transformer (3D RoPE 8/8/8 of head dim 24) with RoME's processor: diffusers'
