@@ -4,6 +4,8 @@
 // are copied into their cache slot while they are still in L1 or L2.
 #include "rome/fused.hpp"
 
+#include <emmintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -24,6 +26,14 @@ using std::int64_t;
 using std::to_string;
 
 constexpr int64_t kTokensPerTile = 16;
+
+// n bytes (a multiple of 16, d 16-byte aligned) with non-temporal stores; SSE2, which every
+// x86-64 CPU has: the store bandwidth, not the vector width, limits a copy to memory.
+void stream_bytes(char* d, const char* s, std::size_t n) {
+  for (std::size_t i = 0; i < n; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+}
 
 ConstTensorView cview(const TensorView& v) {
   return as_const(v);
@@ -239,6 +249,18 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
     return run;
   };
 
+  // Cache rows are written once and read by a later attention pass: when all of them outgrow
+  // this thread's share of the L3 (the executor's rule for streaming outputs) they are stored
+  // non-temporally, which spares reading every destination line before writing it (prefill,
+  // T = 4096 of Qwen3-8B shapes, 1 and 2 threads: 8-14% less time per call).
+  const bool stream_cache =
+      kv && 2 * tokens * k.shape[1] * kv_row_bytes > detail::cache_sizes().l3_per_thread * 3 / 4;
+  auto copy_row = [&](char* d, const char* s, std::size_t n) {
+    if (stream_cache && (reinterpret_cast<std::uintptr_t>(d) & 15) == 0 && n % 16 == 0)
+      stream_bytes(d, s, n);
+    else
+      std::memcpy(d, s, n);
+  };
   auto run_tokens = [&](int64_t begin, int64_t end) {
     thread_local std::vector<float> rows;
     const std::size_t need = std::size_t(2 * kTokensPerTile * stride + 2 * rd + 32);
@@ -272,18 +294,19 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
         for (int64_t h = 0; h < k.shape[1]; ++h) {
           const TensorView& kc = kv->key_cache;
           const TensorView& vc = kv->value_cache;
-          std::memcpy(static_cast<char*>(kc.data) +
-                          (block * kc.strides[0] + offset * kc.strides[1] + h * kc.strides[2]) * es,
-                      static_cast<const char*>(k.data) + (t * k.strides[0] + h * k.strides[1]) * es,
-                      std::size_t(kv_row_bytes));
-          std::memcpy(static_cast<char*>(vc.data) +
-                          (block * vc.strides[0] + offset * vc.strides[1] + h * vc.strides[2]) * es,
-                      static_cast<const char*>(kv->value.data) +
-                          (t * kv->value.strides[0] + h * kv->value.strides[1]) * es,
-                      std::size_t(kv_row_bytes));
+          copy_row(static_cast<char*>(kc.data) +
+                       (block * kc.strides[0] + offset * kc.strides[1] + h * kc.strides[2]) * es,
+                   static_cast<const char*>(k.data) + (t * k.strides[0] + h * k.strides[1]) * es,
+                   std::size_t(kv_row_bytes));
+          copy_row(static_cast<char*>(vc.data) +
+                       (block * vc.strides[0] + offset * vc.strides[1] + h * vc.strides[2]) * es,
+                   static_cast<const char*>(kv->value.data) +
+                       (t * kv->value.strides[0] + h * kv->value.strides[1]) * es,
+                   std::size_t(kv_row_bytes));
         }
       }
     }
+    if (stream_cache) _mm_sfence();  // before the pool's join publishes the rows
   };
 
   int threads = detail::resolve_threads(options.num_threads);

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <optional>
 #include <random>
 #include <vector>
 
@@ -335,59 +336,68 @@ TEST(QkNormRope, OtherPermutationsTakeTheLaneLoop) {
   }
 }
 
+// Also with a tiny reported L3, so that the cache rows take the non-temporal stores (their
+// 16-byte chunks; d = 6 has rows of 12 and 24 bytes, which are copied plainly).
 TEST(RopeAndCacheKv, WritesRotatedKeysAndValuesToTheirSlots) {
   std::mt19937_64 rng(8);
-  for (bool with_norm : {false, true})
-    for (DType dtype : {DType::bf16, DType::f32})
-      for (Isa isa : isas_under_test()) {
-        ScopedIsa scoped(isa);
-        const std::int64_t T = 11, hq = 4, hk = 2, d = 64, blocks = 5, bs = 4;
-        const Rotation rotation = Rotation::half(d);
-        const Cache cache = make_cache(32, d, T, rng);
-        Packed packed = make_packed(dtype, T, hq, hk, d, rng);
-        const Packed original = packed;
-        TestTensor kc = TestTensor::make(dtype, {blocks, bs, hk, d});
-        TestTensor vc = TestTensor::make(dtype, {blocks, bs, hk, d}, Layout{{0, 2, 1, 3}});
-        kc.fill_random(rng, -1, 1);
-        vc.fill_random(rng, -1, 1);
-        const TestTensor kc0 = kc, vc0 = vc;
-        TestTensor slots = TestTensor::make(DType::i64, {T});
-        const std::int64_t slot_of[T] = {7, -1, 0, 19, 3, 12, -1, 5, 18, 1, 9};
-        slots.fill([&](const auto& i) { return double(slot_of[i[0]]); });
-        TestTensor w = TestTensor::make(DType::f32, {d});
-        w.fill_random(rng, 0.5, 1.5);
-        QkNorm norm{w.cview(), w.cview(), 1e-6f, false};
-        PagedKvWrite write{as_const(packed.v()), kc.view(), vc.view(), slots.cview()};
-        rope_and_cache_kv(rotation, cache.view(true), packed.q(), packed.k(), write,
-                          with_norm ? &norm : nullptr);
-        // q and k rotated in place as qk_norm_rope / rope_forward leave them.
-        Packed expected = original;
-        if (with_norm) {
-          qk_norm_rope(rotation, cache.view(true), norm, expected.q(), expected.k());
-        } else {
-          const TensorView q = expected.q(), k = expected.k();
-          const Operand oq{as_const(q), q}, ok{as_const(k), k};
-          rope_forward(rotation, cache.view(true), oq, &ok);
-        }
-        ASSERT_EQ(packed.buffer.storage, expected.buffer.storage) << isa_name(isa);
-        for (std::int64_t b = 0; b < blocks; ++b)
-          for (std::int64_t o = 0; o < bs; ++o) {
-            const std::int64_t slot = b * bs + o;
-            std::int64_t token = -1;
-            for (std::int64_t t = 0; t < T; ++t)
-              if (slot_of[t] == slot) token = t;
-            for (std::int64_t h = 0; h < hk; ++h)
-              for (std::int64_t j = 0; j < d; ++j) {
-                if (token < 0) {
-                  ASSERT_EQ(kc.get({b, o, h, j}), kc0.get({b, o, h, j}));
-                  ASSERT_EQ(vc.get({b, o, h, j}), vc0.get({b, o, h, j}));
-                } else {
-                  ASSERT_EQ(kc.get({b, o, h, j}), get(packed.k(), token, h, j));
-                  ASSERT_EQ(vc.get({b, o, h, j}), get(packed.v(), token, h, j));  // v untouched
-                }
+  for (bool streamed : {false, true})
+    for (std::int64_t d : {64, 6})
+      for (bool with_norm : {false, true})
+        for (DType dtype : {DType::bf16, DType::f32})
+          for (Isa isa : isas_under_test()) {
+            ScopedIsa scoped(isa);
+            const detail::CacheSizes tiny{32 << 10, 256 << 10, 1024, 1024};
+            std::optional<ScopedCacheSizes> small_l3;
+            if (streamed) small_l3.emplace(tiny);
+            const std::int64_t T = 11, hq = 4, hk = 2, blocks = 5, bs = 4;
+            const Rotation rotation = Rotation::half(d);
+            const Cache cache = make_cache(32, d, T, rng);
+            Packed packed = make_packed(dtype, T, hq, hk, d, rng);
+            const Packed original = packed;
+            TestTensor kc = TestTensor::make(dtype, {blocks, bs, hk, d});
+            TestTensor vc = TestTensor::make(dtype, {blocks, bs, hk, d}, Layout{{0, 2, 1, 3}});
+            kc.fill_random(rng, -1, 1);
+            vc.fill_random(rng, -1, 1);
+            const TestTensor kc0 = kc, vc0 = vc;
+            TestTensor slots = TestTensor::make(DType::i64, {T});
+            const std::int64_t slot_of[T] = {7, -1, 0, 19, 3, 12, -1, 5, 18, 1, 9};
+            slots.fill([&](const auto& i) { return double(slot_of[i[0]]); });
+            TestTensor w = TestTensor::make(DType::f32, {d});
+            w.fill_random(rng, 0.5, 1.5);
+            QkNorm norm{w.cview(), w.cview(), 1e-6f, false};
+            PagedKvWrite write{as_const(packed.v()), kc.view(), vc.view(), slots.cview()};
+            rope_and_cache_kv(rotation, cache.view(true), packed.q(), packed.k(), write,
+                              with_norm ? &norm : nullptr);
+            // q and k rotated in place as qk_norm_rope / rope_forward leave them.
+            Packed expected = original;
+            if (with_norm) {
+              qk_norm_rope(rotation, cache.view(true), norm, expected.q(), expected.k());
+            } else {
+              const TensorView q = expected.q(), k = expected.k();
+              const Operand oq{as_const(q), q}, ok{as_const(k), k};
+              rope_forward(rotation, cache.view(true), oq, &ok);
+            }
+            const std::string what = std::string(isa_name(isa)) + " " + dtype_name(dtype) + " d " +
+                                     std::to_string(d) + (streamed ? " streamed" : "");
+            ASSERT_EQ(packed.buffer.storage, expected.buffer.storage) << what;
+            for (std::int64_t b = 0; b < blocks; ++b)
+              for (std::int64_t o = 0; o < bs; ++o) {
+                const std::int64_t slot = b * bs + o;
+                std::int64_t token = -1;
+                for (std::int64_t t = 0; t < T; ++t)
+                  if (slot_of[t] == slot) token = t;
+                for (std::int64_t h = 0; h < hk; ++h)
+                  for (std::int64_t j = 0; j < d; ++j) {
+                    if (token < 0) {
+                      ASSERT_EQ(kc.get({b, o, h, j}), kc0.get({b, o, h, j})) << what;
+                      ASSERT_EQ(vc.get({b, o, h, j}), vc0.get({b, o, h, j})) << what;
+                    } else {
+                      ASSERT_EQ(kc.get({b, o, h, j}), get(packed.k(), token, h, j)) << what;
+                      ASSERT_EQ(vc.get({b, o, h, j}), get(packed.v(), token, h, j)) << what;
+                    }
+                  }
               }
           }
-      }
 }
 
 TEST(RopeAndCacheKv, BadInputWritesNothing) {
