@@ -228,6 +228,26 @@ void Executor::run(std::int64_t begin, std::int64_t end) const {
   }
 }
 
+// k's heads right after q's, with the same strides, in and out: the q and k slices of a packed
+// qkv buffer. They become one operand, so that a kernel call takes every head of a tile's tokens
+// instead of two calls per token (one for q, one for k). Each row keeps its table row: q and k
+// share the outer axes.
+void join_k_to_q(ForwardPlan& p) {
+  if (!p.has_k || p.q.in_place != p.k.in_place || p.q.inner.count != 1 || p.k.inner.count != 1 ||
+      p.q.inner.in_stride[0] != p.k.inner.in_stride[0] ||
+      p.q.inner.out_stride[0] != p.k.inner.out_stride[0])
+    return;
+  for (int i = 0; i < p.outer_count; ++i)
+    if (p.q.outer_in[i] != p.k.outer_in[i] || p.q.outer_out[i] != p.k.outer_out[i]) return;
+  const std::int64_t es = dtype_size(p.dtype), heads = p.q.inner.size[0];
+  if (p.k.in_base != p.q.in_base + heads * p.q.inner.in_stride[0] * es ||
+      p.k.out_base != p.q.out_base + heads * p.q.inner.out_stride[0] * es)
+    return;
+  p.q.inner.size[0] += p.k.inner.size[0];
+  p.q.inner.rows += p.k.inner.rows;
+  p.has_k = false;
+}
+
 // Tokens per tile: the tile's table rows (cos and sin) take a quarter of L2, so they stay there
 // while every head streams past them.
 std::int64_t auto_tile_tokens(std::int64_t table_stride) {
@@ -253,7 +273,8 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   }
   detail::check_environment();
   detail::check_options(options);
-  const ForwardPlan plan = detail::plan_forward(rotation, tables, q, k);
+  ForwardPlan plan = detail::plan_forward(rotation, tables, q, k);
+  join_k_to_q(plan);
   const std::int64_t rows = plan.q.inner.rows + (plan.has_k ? plan.k.inner.rows : 0);
   t_last_call_threads = 0;
   if (plan.outer_total == 0 || rows == 0) return;
