@@ -63,26 +63,30 @@ def _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim):
     return x_out.type_as(x)
 
 
-# Per unsqueeze axis: the last complex freqs_cis seen (weakly), its data pointer and shape, and the
-# real and imaginary parts of freqs_cis.unsqueeze(axis) as strided views. Qwen-Image and Lumina
-# hand the same freqs_cis to every block's q and k; building the views took a third of a small
-# call. The views see in-place changes of freqs_cis (they share its storage); a new tensor, a new
-# storage or a new shape builds them again. They keep the last freqs_cis's storage alive.
+# Per unsqueeze axis: the last few complex freqs_cis seen (weakly; a tensor's data pointer, shape
+# and strides are its key too) and the real and imaginary parts of freqs_cis.unsqueeze(axis) as
+# strided views. Qwen-Image alternates two tensors (image and text frequencies, each for q then
+# k) through every block, Lumina one; building the views took a third of a small call. The views
+# see in-place changes of values (they share the storage); a new tensor, storage, shape or
+# strides builds them again. They keep the storage of the last few tensors alive.
 _complex_views = {}
+_COMPLEX_VIEWS_KEPT = 4
 
 
 def _real_imag(freqs_cis: torch.Tensor, axis: int):
-    if torch.compiler.is_compiling():  # traced: no data pointers, nothing to cache
+    if type(freqs_cis) is not torch.Tensor or torch.compiler.is_compiling():
+        # Subclasses (fake tensors while tracing, ...): no data pointers, nothing to cache.
         freqs = freqs_cis.unsqueeze(axis)
         return freqs.real, freqs.imag
-    hit = _complex_views.get(axis)
-    if (hit is not None and hit[0]() is freqs_cis and hit[1] == freqs_cis.data_ptr()
-            and hit[2] == freqs_cis.shape):
-        return hit[3], hit[4]
+    key = (freqs_cis.data_ptr(), freqs_cis.shape, freqs_cis.stride())
+    entries = _complex_views.setdefault(axis, [])
+    for ref, entry_key, real, imag in entries:
+        if ref() is freqs_cis and entry_key == key:
+            return real, imag
     freqs = freqs_cis.unsqueeze(axis)
     real, imag = freqs.real, freqs.imag
-    _complex_views[axis] = (weakref.ref(freqs_cis), freqs_cis.data_ptr(), freqs_cis.shape, real,
-                            imag)
+    entries.insert(0, (weakref.ref(freqs_cis), key, real, imag))
+    del entries[_COMPLEX_VIEWS_KEPT:]
     return real, imag
 
 

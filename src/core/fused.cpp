@@ -4,7 +4,9 @@
 // are copied into their cache slot while they are still in L1 or L2.
 #include "rome/fused.hpp"
 
+#if defined(__SSE2__)
 #include <emmintrin.h>
+#endif
 
 #include <algorithm>
 #include <cmath>
@@ -28,11 +30,23 @@ using std::to_string;
 constexpr int64_t kTokensPerTile = 16;
 
 // n bytes (a multiple of 16, d 16-byte aligned) with non-temporal stores; SSE2, which every
-// x86-64 CPU has: the store bandwidth, not the vector width, limits a copy to memory.
+// x86-64 CPU has: the store bandwidth, not the vector width, limits a copy to memory. Elsewhere
+// a plain copy.
 void stream_bytes(char* d, const char* s, std::size_t n) {
+#if defined(__SSE2__)
   for (std::size_t i = 0; i < n; i += 16)
     _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
                      _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+#else
+  std::memcpy(d, s, n);
+#endif
+}
+
+// Orders the non-temporal stores before the pool's join publishes the rows.
+void fence_streamed() {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
 }
 
 ConstTensorView cview(const TensorView& v) {
@@ -306,7 +320,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
         }
       }
     }
-    if (stream_cache) _mm_sfence();  // before the pool's join publishes the rows
+    if (stream_cache) fence_streamed();
   };
 
   int threads = detail::resolve_threads(options.num_threads);

@@ -23,6 +23,7 @@ namespace rome {
 namespace {
 
 using detail::ForwardPlan;
+using detail::InnerAxes;
 using detail::OperandPlan;
 using kernels::ForwardTile;
 
@@ -107,9 +108,9 @@ bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
   return std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]);
 }
 
-// q and k both token-major with the same token stride (in and out): rows of one buffer, as the
-// q and k slices of a packed qkv are. Separate q and k tensors keep one pass each (two
-// contiguous streams).
+// q and k both token-major with the same token stride (in and out): rows of one buffer that
+// join_k_to_q could not make one operand (k not right after q, other strides, several inner
+// axes). Separate q and k tensors keep one pass each (two contiguous streams).
 bool Executor::interleave_tokens(std::int64_t tokens) const {
   const ForwardPlan& p = *plan;
   const int last = p.outer_count - 1;
@@ -214,9 +215,9 @@ void Executor::run(std::int64_t begin, std::int64_t end) const {
     const std::int64_t k0 = std::max(r0 - q_rows, std::int64_t(0));
     const std::int64_t k1 = std::max(r1 - q_rows, std::int64_t(0));
     if (interleave_tokens(tokens)) {
-      // Token-major q and k rows in one buffer (slices of a packed qkv): token t's q heads, then
-      // its k heads, which follow them. One pass of q over the tile then one of k would walk the
-      // same memory twice, each time with gaps (measured: 29% slower on Qwen3-8B's shapes).
+      // Token-major q and k rows in one buffer: token t's q heads, then its k heads. One pass of
+      // q over the tile then one of k would walk the same memory twice, each time with gaps
+      // (measured on packed qkv slices before they were joined: 29% slower on Qwen3-8B's shapes).
       for (std::int64_t t = 0; t < tokens; ++t) {
         rotate(p.q, outer, tokens, t, t + 1, q0, q1, cos, sin);
         rotate(p.k, outer, tokens, t, t + 1, k0, k1, cos, sin);
@@ -231,20 +232,31 @@ void Executor::run(std::int64_t begin, std::int64_t end) const {
 // k's heads right after q's, with the same strides, in and out: the q and k slices of a packed
 // qkv buffer. They become one operand, so that a kernel call takes every head of a tile's tokens
 // instead of two calls per token (one for q, one for k). Each row keeps its table row: q and k
-// share the outer axes.
+// share the outer axes. A single head (no inner axis, e.g. MQA's k) joins with the other's stride.
 void join_k_to_q(ForwardPlan& p) {
-  if (!p.has_k || p.q.in_place != p.k.in_place || p.q.inner.count != 1 || p.k.inner.count != 1 ||
-      p.q.inner.in_stride[0] != p.k.inner.in_stride[0] ||
-      p.q.inner.out_stride[0] != p.k.inner.out_stride[0])
+  if (!p.has_k || p.q.in_place != p.k.in_place || p.q.inner.count > 1 || p.k.inner.count > 1 ||
+      p.q.inner.count + p.k.inner.count == 0)
     return;
+  const InnerAxes& with_axis = p.q.inner.count == 1 ? p.q.inner : p.k.inner;
+  const std::int64_t in_stride = with_axis.in_stride[0], out_stride = with_axis.out_stride[0];
+  auto heads_of = [&](const InnerAxes& a) { return a.count == 1 ? a.size[0] : 1; };
+  auto same_strides = [&](const InnerAxes& a) {
+    return a.count == 0 || (a.in_stride[0] == in_stride && a.out_stride[0] == out_stride);
+  };
+  if (!same_strides(p.q.inner) || !same_strides(p.k.inner)) return;
   for (int i = 0; i < p.outer_count; ++i)
     if (p.q.outer_in[i] != p.k.outer_in[i] || p.q.outer_out[i] != p.k.outer_out[i]) return;
-  const std::int64_t es = dtype_size(p.dtype), heads = p.q.inner.size[0];
-  if (p.k.in_base != p.q.in_base + heads * p.q.inner.in_stride[0] * es ||
-      p.k.out_base != p.q.out_base + heads * p.q.inner.out_stride[0] * es)
+  const std::int64_t es = dtype_size(p.dtype), q_heads = heads_of(p.q.inner);
+  if (p.k.in_base != p.q.in_base + q_heads * in_stride * es ||
+      p.k.out_base != p.q.out_base + q_heads * out_stride * es)
     return;
-  p.q.inner.size[0] += p.k.inner.size[0];
-  p.q.inner.rows += p.k.inner.rows;
+  InnerAxes joined;
+  joined.count = 1;
+  joined.size[0] = q_heads + heads_of(p.k.inner);
+  joined.in_stride[0] = in_stride;
+  joined.out_stride[0] = out_stride;
+  joined.rows = joined.size[0];
+  p.q.inner = joined;
   p.has_k = false;
 }
 

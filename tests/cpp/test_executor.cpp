@@ -12,6 +12,7 @@
 #include <span>
 #include <thread>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 #include "isa_testing.hpp"
@@ -216,82 +217,102 @@ TEST(Executor, TilesThreadsAndHostPoolsAreBitIdentical) {
               checked);
 }
 
-// q and k as adjacent head slices of one packed [T, (Hq + Hk + Hv) * D] buffer (vLLM's qkv): the
-// executor joins them into one operand (a kernel call per tile instead of two per token). In place,
-// out of place into adjacent slices of an output buffer (joined too) and into separate outputs
-// (not joined), on every ISA and a few tile/thread settings, each must equal q and k rotated as
-// separate tensors, bit for bit, and leave v and the output's v heads as they were.
-TEST(Executor, AdjacentQAndKSlicesOfAPackedBufferMatchSeparateTensors) {
-  const std::int64_t T = 37, hq = 6, hk = 2, hv = 2, d = 64, width = (hq + hk + hv) * d;
-  for (DType dtype : {DType::bf16, DType::f32})
-    for (int mode = 0; mode < 3; ++mode) {  // in place, adjacent outputs, separate outputs
-      const std::string what = std::string(dtype_name(dtype)) + (mode == 0   ? " in place"
-                                                                 : mode == 1 ? " adjacent out"
-                                                                             : " separate out");
-      const Rotation rot =
-          Rotation::block_diag({Rotation::half(24), Rotation::half(24), Rotation::half(16)});
-      std::mt19937_64 rng(std::hash<std::string>()(what));
-      TestTensor packed = TestTensor::make(dtype, {T, width});
-      packed.fill_random(rng, -2, 2);
-      TestTables tables;
-      tables.cos = TestTensor::make(DType::f32, {T, 1, d});
-      tables.sin = TestTensor::make(DType::f32, {T, 1, d});
-      tables.cos.fill_random(rng, -1, 1);
-      tables.sin.fill_random(rng, -1, 1);
-      // Heads [first, first + count) of every token of a packed buffer, as a [T, count, d] view.
-      auto heads = [&](TestTensor& buffer, std::int64_t first, std::int64_t count) {
-        return make_view<void*>(buffer.at({0, first * d}), dtype, {T, count, d}, {width, d, 1});
-      };
-      // Expected: q and k copied out as contiguous tensors, rotated separately (scalar kernel).
-      TestTensor q_alone = TestTensor::make(dtype, {T, hq, d});
-      TestTensor k_alone = TestTensor::make(dtype, {T, hk, d});
-      for (std::int64_t t = 0; t < T; ++t)
-        for (std::int64_t j = 0; j < d; ++j) {
-          for (std::int64_t h = 0; h < hq; ++h) q_alone.set({t, h, j}, packed.get({t, h * d + j}));
-          for (std::int64_t h = 0; h < hk; ++h)
-            k_alone.set({t, h, j}, packed.get({t, (hq + h) * d + j}));
+// q and k as head slices of one packed [T, (Hq + Hk + Hv) * D] buffer (vLLM's qkv). Where k's
+// heads directly follow q's, in and out, the executor joins them into one operand (a kernel call
+// per tile instead of two per token); single heads (MQA's k, or a one-head q) join too. Modes: in
+// place (joined), out of place into adjacent slices of an output buffer (joined), into separate
+// outputs (not joined), from inputs with v between q and k into adjacent outputs, and from
+// adjacent inputs into output slices with v's place between them (neither joined). On every ISA and
+// a few tile/thread settings each must equal q and k rotated as separate tensors, bit for bit, and
+// leave every other element as it was (NaN in the outputs).
+TEST(Executor, QAndKSlicesOfAPackedBufferMatchSeparateTensors) {
+  const std::int64_t T = 37, hv = 2, d = 64;
+  const Rotation rot =
+      Rotation::block_diag({Rotation::half(24), Rotation::half(24), Rotation::half(16)});
+  const char* const kModes[] = {"in place", "adjacent out", "separate out", "inputs apart",
+                                "outputs apart"};
+  for (auto [hq, hk] : {std::pair<std::int64_t, std::int64_t>{6, 2}, {4, 1}, {1, 3}})
+    for (DType dtype : {DType::bf16, DType::f32})
+      for (int mode = 0; mode < 5; ++mode) {
+        const std::int64_t width = (hq + hk + hv) * d;
+        const std::int64_t k_in_head = mode == 3 ? hq + hv : hq;   // k's first head in the input
+        const std::int64_t k_out_head = mode == 4 ? hq + hv : hq;  // and in the output buffer
+        const std::string what = std::string(dtype_name(dtype)) + " " + kModes[mode] + " hq " +
+                                 std::to_string(hq) + " hk " + std::to_string(hk);
+        std::mt19937_64 rng(std::hash<std::string>()(what));
+        TestTensor packed = TestTensor::make(dtype, {T, width});
+        packed.fill_random(rng, -2, 2);
+        TestTables tables;
+        tables.cos = TestTensor::make(DType::f32, {T, 1, d});
+        tables.sin = TestTensor::make(DType::f32, {T, 1, d});
+        tables.cos.fill_random(rng, -1, 1);
+        tables.sin.fill_random(rng, -1, 1);
+        // Heads [first, first + count) of every token of a packed buffer, as a [T, count, d] view.
+        auto heads = [&](TestTensor& buffer, std::int64_t first, std::int64_t count) {
+          return make_view<void*>(buffer.at({0, first * d}), dtype, {T, count, d}, {width, d, 1});
+        };
+        // Expected: q and k copied out as contiguous tensors, rotated separately (scalar kernel).
+        TestTensor q_alone = TestTensor::make(dtype, {T, hq, d});
+        TestTensor k_alone = TestTensor::make(dtype, {T, hk, d});
+        for (std::int64_t t = 0; t < T; ++t)
+          for (std::int64_t j = 0; j < d; ++j) {
+            for (std::int64_t h = 0; h < hq; ++h)
+              q_alone.set({t, h, j}, packed.get({t, h * d + j}));
+            for (std::int64_t h = 0; h < hk; ++h)
+              k_alone.set({t, h, j}, packed.get({t, (k_in_head + h) * d + j}));
+          }
+        {
+          ScopedIsa scalar(Isa::scalar);
+          rope_forward(rot, tables.view(), Operand{q_alone.cview(), q_alone.view()}, nullptr);
+          rope_forward(rot, tables.view(), Operand{k_alone.cview(), k_alone.view()}, nullptr);
         }
-      {
-        ScopedIsa scalar(Isa::scalar);
-        rope_forward(rot, tables.view(), Operand{q_alone.cview(), q_alone.view()}, nullptr);
-        rope_forward(rot, tables.view(), Operand{k_alone.cview(), k_alone.view()}, nullptr);
+        for (Isa isa : isas_under_test())
+          for (int threads : {1, 2, 3}) {
+            ScopedIsa scoped(isa);
+            ExecOptions options = split_across(threads);
+            options.tile_tokens = threads == 3 ? 5 : 0;
+            TestTensor in = packed;
+            TestTensor out = TestTensor::make(dtype, {T, width});  // NaN-filled
+            TestTensor q_out = TestTensor::make(dtype, {T, hq, d});
+            TestTensor k_out = TestTensor::make(dtype, {T, hk, d});
+            TestTensor& dst = mode == 0 ? in : out;
+            Operand q{as_const(heads(in, 0, hq)), heads(dst, 0, hq)};
+            Operand k{as_const(heads(in, k_in_head, hk)),
+                      heads(dst, mode == 0 ? k_in_head : k_out_head, hk)};
+            if (mode == 2) q.out = q_out.view(), k.out = k_out.view();
+            rope_forward(rot, tables.view(), q, &k, options);
+            const std::string where =
+                what + " on " + isa_name(isa) + ", " + std::to_string(threads) + " threads";
+            // Where q and k went, and what every element of `in` and `out` must hold.
+            auto rotated = [&](std::int64_t t, std::int64_t h, std::int64_t j, std::int64_t k0,
+                               double& value) {
+              if (h < hq) return value = q_alone.get({t, h, j}), true;
+              if (h >= k0 && h < k0 + hk) return value = k_alone.get({t, h - k0, j}), true;
+              return false;
+            };
+            for (std::int64_t t = 0; t < T; ++t)
+              for (std::int64_t h = 0; h < hq + hk + hv; ++h)
+                for (std::int64_t j = 0; j < d; ++j) {
+                  double want = 0;
+                  const bool in_qk = rotated(t, h, j, k_in_head, want);
+                  const double in_now = in.get({t, h * d + j});
+                  if (mode == 0 && in_qk)
+                    ASSERT_EQ(in_now, want) << where << " token " << t << " head " << h;
+                  else
+                    ASSERT_EQ(in_now, packed.get({t, h * d + j})) << where << " input head " << h;
+                  if (mode == 0) continue;
+                  const double out_now = out.get({t, h * d + j});
+                  if (mode != 2 && rotated(t, h, j, k_out_head, want))
+                    ASSERT_EQ(out_now, want) << where << " token " << t << " head " << h;
+                  else
+                    ASSERT_TRUE(std::isnan(out_now)) << where << " output head " << h;
+                  if (mode == 2 && h < hq)
+                    ASSERT_EQ(q_out.get({t, h, j}), q_alone.get({t, h, j})) << where << " q_out";
+                  if (mode == 2 && h < hk)
+                    ASSERT_EQ(k_out.get({t, h, j}), k_alone.get({t, h, j})) << where << " k_out";
+                }
+          }
       }
-      for (Isa isa : isas_under_test())
-        for (int threads : {1, 2, 3}) {
-          ScopedIsa scoped(isa);
-          ExecOptions options = split_across(threads);
-          options.tile_tokens = threads == 3 ? 5 : 0;
-          TestTensor in = packed;
-          TestTensor out = TestTensor::make(dtype, {T, width});
-          out.fill([](const auto&) { return std::nan(""); });
-          TestTensor q_out = TestTensor::make(dtype, {T, hq, d});
-          TestTensor k_out = TestTensor::make(dtype, {T, hk, d});
-          TestTensor& dst = mode == 0 ? in : out;
-          Operand q{as_const(heads(in, 0, hq)), heads(dst, 0, hq)};
-          Operand k{as_const(heads(in, hq, hk)), heads(dst, hq, hk)};
-          if (mode == 2) q.out = q_out.view(), k.out = k_out.view();
-          rope_forward(rot, tables.view(), q, &k, options);
-          const TestTensor& got = mode == 0 ? in : out;
-          const std::string where =
-              what + " on " + isa_name(isa) + ", " + std::to_string(threads) + " threads";
-          for (std::int64_t t = 0; t < T; ++t)
-            for (std::int64_t j = 0; j < d; ++j) {
-              for (std::int64_t h = 0; h < hq; ++h)
-                ASSERT_EQ(mode == 2 ? q_out.get({t, h, j}) : got.get({t, h * d + j}),
-                          q_alone.get({t, h, j}))
-                    << where << " q token " << t << " head " << h << " lane " << j;
-              for (std::int64_t h = 0; h < hk; ++h)
-                ASSERT_EQ(mode == 2 ? k_out.get({t, h, j}) : got.get({t, (hq + h) * d + j}),
-                          k_alone.get({t, h, j}))
-                    << where << " k token " << t << " head " << h << " lane " << j;
-              for (std::int64_t h = hq + hk; h < hq + hk + hv; ++h) {
-                ASSERT_EQ(in.get({t, h * d + j}), packed.get({t, h * d + j})) << where << " v";
-                if (mode != 0)
-                  ASSERT_TRUE(std::isnan(out.get({t, h * d + j}))) << where << " v out";
-              }
-            }
-        }
-    }
 }
 
 // Random fp32 tables [tokens, 128] for the thread-count tests.

@@ -481,9 +481,9 @@ def test_diffusers_complex(dtype):
 
 def test_diffusers_complex_views_follow_their_tensor():
     """The real/imaginary views the complex drop-ins keep per freqs_cis see in-place changes of
-    it, and a new tensor (even at a reused address), a new storage or a new shape gets views of
-    its own. Lumina's form takes freqs_cis [B, S, D/2], Qwen-Image's [S, D/2] (here a view of
-    the same tensor, kept across calls)."""
+    it, and a new tensor, a new storage, a new shape or new strides get views of their own.
+    Lumina's form takes freqs_cis [B, S, D/2], Qwen-Image's [S, D/2] (here a view of the same
+    tensor, kept across calls)."""
     qwen = need_module("diffusers.models.transformers.transformer_qwenimage")
     embeddings = need_module("diffusers.models.embeddings")
     g = torch.Generator().manual_seed(11)
@@ -508,7 +508,7 @@ def test_diffusers_complex_views_follow_their_tensor():
     freqs.mul_(torch.polar(torch.ones(6, 8), torch.full((6, 8), 0.7)))  # new values in place
     check(freqs, rows)
     del freqs, rows
-    for seed in range(2, 6):  # new tensors, likely at the freed addresses
+    for seed in range(2, 6):  # new tensors
         freqs = freqs_of(6, seed)
         check(freqs, freqs[0])
         del freqs
@@ -520,6 +520,19 @@ def test_diffusers_complex_views_follow_their_tensor():
     freqs.set_(freqs_of(6, 9))  # the same tensor objects, new storage
     rows.set_(freqs[0].clone())
     check(freqs, rows)
+    # Square frequencies: the same data pointer and shape, other strides.
+    x = torch.randn(1, 8, 2, 16, generator=g)
+    square = freqs_of(8, 10)
+    rows = square[0]
+    check(square, rows)
+    check(square.transpose(1, 2), rows.t())  # new tensors
+    square.transpose_(1, 2)  # the same objects, transposed in place
+    rows.t_()
+    check(square, rows)
+    for seed in range(11, 17):  # more tensors than the cache keeps, then the first again
+        other = freqs_of(8, seed)
+        check(other, other[0])
+    check(square, rows)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
