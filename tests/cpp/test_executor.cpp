@@ -296,20 +296,21 @@ TEST(Executor, QAndKSlicesOfAPackedBufferMatchSeparateTensors) {
                   double want = 0;
                   const bool in_qk = rotated(t, h, j, k_in_head, want);
                   const double in_now = in.get({t, h * d + j});
-                  if (mode == 0 && in_qk)
-                    ASSERT_EQ(in_now, want) << where << " token " << t << " head " << h;
-                  else
-                    ASSERT_EQ(in_now, packed.get({t, h * d + j})) << where << " input head " << h;
+                  const double in_want = mode == 0 && in_qk ? want : packed.get({t, h * d + j});
+                  ASSERT_EQ(in_now, in_want) << where << " input token " << t << " head " << h;
                   if (mode == 0) continue;
                   const double out_now = out.get({t, h * d + j});
-                  if (mode != 2 && rotated(t, h, j, k_out_head, want))
+                  if (mode != 2 && rotated(t, h, j, k_out_head, want)) {
                     ASSERT_EQ(out_now, want) << where << " token " << t << " head " << h;
-                  else
+                  } else {
                     ASSERT_TRUE(std::isnan(out_now)) << where << " output head " << h;
-                  if (mode == 2 && h < hq)
+                  }
+                  if (mode == 2 && h < hq) {
                     ASSERT_EQ(q_out.get({t, h, j}), q_alone.get({t, h, j})) << where << " q_out";
-                  if (mode == 2 && h < hk)
+                  }
+                  if (mode == 2 && h < hk) {
                     ASSERT_EQ(k_out.get({t, h, j}), k_alone.get({t, h, j})) << where << " k_out";
+                  }
                 }
           }
       }
