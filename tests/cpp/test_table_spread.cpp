@@ -148,16 +148,18 @@ TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
             auto tables_of = [&](const Cache& c, const Cache& s, bool strided, Form form) {
               rome::Tables t;
               const std::int64_t lane = strided ? 2 : 1;
-              const std::int64_t n = form == Form::direct ? tokens : rows;
-              t.cos = rome::make_view<const void*>(c.bytes.data(), dtype, {n, 1, columns},
-                                                   {columns * lane, 0, lane});
-              t.sin = rome::make_view<const void*>(s.bytes.data(), dtype, {n, 1, columns},
-                                                   {columns * lane, 0, lane});
-              if (form != Form::direct) {
-                t.cos.rank = t.sin.rank = 2;
-                t.cos.shape[1] = t.sin.shape[1] = columns;
-                t.cos.strides[1] = t.sin.strides[1] = lane;
-              }
+              // Direct tables [tokens, 1, columns] (x is [tokens, heads, hd]); caches [rows,
+              // columns].
+              auto view_of = [&](const Cache& table) {
+                const void* data = table.bytes.data();
+                return form == Form::direct
+                           ? rome::make_view<const void*>(data, dtype, {tokens, 1, columns},
+                                                          {columns * lane, 0, lane})
+                           : rome::make_view<const void*>(data, dtype, {rows, columns},
+                                                          {columns * lane, lane});
+              };
+              t.cos = view_of(c);
+              t.sin = view_of(s);
               if (form == Form::gathered)
                 t.positions =
                     rome::make_view<const void*>(positions.data(), DType::i64, {tokens, 1}, {1, 0});
