@@ -116,7 +116,7 @@ struct Bf16EvenOdd {
   }
 };
 
-static_assert(kGroupRows<Avx2Norm> == 4, "inverse_rms takes 4 rows");
+static_assert(kGroupRows<Avx2Norm> == 8, "inverse_rms takes 8 rows");
 
 }  // namespace
 

@@ -30,13 +30,14 @@ struct Avx512NormOneRow : OneRowPer8Lanes {
     return _mm256_maskz_loadu_ps(n >= 8 ? __mmask8(0xff) : __mmask8((1u << n) - 1), x[0] + j);
   }
 };
-static_assert(kGroupRows<Avx512NormOneRow> == 4, "inverse_rms takes 4 rows");
+static_assert(kGroupRows<Avx512NormOneRow> == 8, "inverse_rms takes 8 rows");
 
 struct Avx512Norm {
   using F = __m512;
   using Count = __mmask16;
   static constexpr int kLanes = kW;
   static constexpr int kRowsPerVector = 2;
+  static constexpr int kAccumulators = 4;
   template <DType D>
   using SumSquares = std::conditional_t<D == DType::f32, Avx512NormOneRow, Avx512Norm>;
 
@@ -86,12 +87,16 @@ struct Avx512Norm {
     return {_mm512_castsi512_ps(_mm512_slli_epi32(w, 16)),
             _mm512_castsi512_ps(_mm512_and_si512(w, _mm512_set1_epi32(int(0xffff0000u))))};
   }
-  static ROME_INLINE void reduce_rows(F acc, float* ss) {
-    const __m512 u = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
-    const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));
-    const __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
-    ss[0] = _mm512_cvtss_f32(t);
-    ss[1] = _mm256_cvtss_f32(_mm512_extractf32x8_ps(t, 1));
+  template <int A>
+  static ROME_INLINE void reduce_rows(const F* acc, float* ss) {
+    for (int a = 0; a < A; ++a) {
+      const __m512 u =
+          _mm512_add_ps(acc[a], _mm512_shuffle_f32x4(acc[a], acc[a], _MM_SHUFFLE(2, 3, 0, 1)));
+      const __m512 v = _mm512_add_ps(u, _mm512_permute_ps(u, _MM_SHUFFLE(1, 0, 3, 2)));
+      const __m512 t = _mm512_add_ps(v, _mm512_permute_ps(v, _MM_SHUFFLE(2, 3, 0, 1)));
+      ss[2 * a] = _mm512_cvtss_f32(t);
+      ss[2 * a + 1] = _mm256_cvtss_f32(_mm512_extractf32x8_ps(t, 1));
+    }
   }
   // 1 / sqrt(ss / hd + eps) of the group's 8 rows, the scalar kernel's operations lane by lane.
   static ROME_INLINE void inverse_rms(const float* ss, std::int64_t hd, float eps, float* scale) {

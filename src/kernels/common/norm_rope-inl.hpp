@@ -2,18 +2,19 @@
 // type and compiled into each SIMD kernel library (anonymous namespace: every copy keeps its own
 // flags). Bit-identical to the scalar kernel: the same operations in the same order.
 //
-// Pass 1 takes the sums of squares of a group of rows in the contract's order: 4 accumulators,
-// each the 8 partial sums of kRowsPerVector rows, so the group's fma chains overlap (AVX2: one row
-// per 8-lane vector; AVX-512: two per 16-lane vector, since a 16-lane accumulator of one row
-// would sum in another order, but f32 rows one per 8-lane vector: SumSquares<D>, SumSquaresOf);
-// then 1 / rms of the whole group at once (one row's divide-root-divide chain would hold up its
-// rotation). For rows of up to 1 KiB it also asks for the bytes of rows further along
-// (prefetch_distance): one core waits on memory with the hardware prefetchers alone
-// (BENCHMARKS.md).
+// Pass 1 takes the sums of squares of a group of rows in the contract's order: kAccumulators
+// accumulators, each the 8 partial sums of kRowsPerVector rows, so the group's fma chains overlap
+// (AVX2: 8 rows, one per 8-lane vector, as 4 left the chains latency-bound; AVX-512: 4 of two rows
+// per 16-lane vector, since a 16-lane accumulator of one row would sum in another order, but f32
+// rows one per 8-lane vector: SumSquares<D>, SumSquaresOf); then 1 / rms of the whole group at once
+// (one row's divide-root-divide chain would hold up its rotation). For rows of up to 1 KiB it also
+// asks for the bytes of rows further along (prefetch_distance): one core waits on memory with the
+// hardware prefetchers alone (BENCHMARKS.md).
+//
 // Pass 2 reads each row again from L1 (no buffer) and forms r·(x_a·C' + x_b·S') with the weight
 // folded into the table row once per table row (FoldedRow: the fused executor hands one table row
-// to every head of a token). It has vector loops for half rotations whose half is whole chunks
-// and interleave rotations of whole chunks, on rows that cannot produce inf or NaN
+// to every head of a token). It has vector loops for half rotations whose half is whole chunks and
+// interleave rotations of whole chunks, on rows that cannot produce inf or NaN
 // (FoldedRow::finite_sum_squares_max): no per-vector test. Every other row (other sizes and
 // permutations, rows with inf, NaN or huge values) takes the contract's lane loop,
 // store_norm_row_lanes, which is the scalar kernel's code.
@@ -26,15 +27,15 @@
 // Traits I: F (kLanes fp32 lanes) with loadu, storeu, set1, add, sub, mul, fma, max, abs,
 // any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and
 // combine_exact_product (as avx2_lanes.hpp / avx512_lanes.hpp); Count and lanes(n) (the first n
-// lanes, n > 0), load_floats(p, Count); pass 1: kRowsPerVector, load_rows<D>(rows, j, n) (lanes
-// [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8), split_rows_bf16(rows, j)
-// (.even, .odd of one 16-lane chunk of each row), reduce_rows(acc, ss) (each row's
-// ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, hd, eps, scale) of a group's
-// 4·kRowsPerVector rows; prefetch. Storage lanes L: T, load / store (whole or Count lanes).
-// Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes), load / store of a
-// chunk of the row in table order, swap_pairs (each lane's interleave partner), the weights in
-// table order; one whose tables are not natural (kNaturalTables) also gives to_natural, and a
-// Bf16Order takes(r, kind) and kLayout.
+// lanes, n > 0), load_floats(p, Count); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows,
+// j, n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8),
+// split_rows_bf16(rows, j) (.even, .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss)
+// (each row of A accumulators: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, hd, eps,
+// scale) of a group's kAccumulators·kRowsPerVector rows; prefetch. Storage lanes L: T, load / store
+// (whole or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes),
+// load / store of a chunk of the row in table order, swap_pairs (each lane's interleave partner),
+// the weights in table order; one whose tables are not natural (kNaturalTables) also gives
+// to_natural, and a Bf16Order takes(r, kind) and kLayout.
 #pragma once
 
 #include <algorithm>
@@ -232,10 +233,8 @@ struct FoldedRow {
 // ---------------------------------------------------------------------------------------------
 // Pass 1
 
-constexpr int kAccumulators = 4;
-
 template <class I>
-constexpr int kGroupRows = (I::kRowsPerVector * kAccumulators);  // rows per pass-1 group
+constexpr int kGroupRows = (I::kRowsPerVector * I::kAccumulators);  // rows per pass-1 group
 
 // Pass 1's traits for storage type D: I's own, or I::SumSquares<D> where an ISA sums some
 // dtypes another way (AVX-512: f32 rows one per 8-lane vector, see avx512_norm_rope.cpp).
@@ -261,11 +260,12 @@ ROME_INLINE void sum_squares(const Storage<D>* const* x, std::int64_t hd, float*
   using F = typename I::F;
   constexpr int R = I::kRowsPerVector;
   F acc[A];
+#pragma GCC unroll 8
   for (int a = 0; a < A; ++a) acc[a] = I::set1(0.0f);
   std::int64_t j = 0;
   if constexpr (D == DType::bf16) {
     for (; j + 16 <= hd; j += 16)
-#pragma GCC unroll 4
+#pragma GCC unroll 8
       for (int a = 0; a < A; ++a) {
         const auto e = I::split_rows_bf16(x + R * a, j);
         acc[a] = I::fma(e.even, e.even, acc[a]);
@@ -273,12 +273,12 @@ ROME_INLINE void sum_squares(const Storage<D>* const* x, std::int64_t hd, float*
       }
   }
   for (; j < hd; j += 8)  // fma(0, 0, s) == s past hd
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int a = 0; a < A; ++a) {
       const F v = I::template load_rows<D>(x + R * a, j, hd - j);
       acc[a] = I::fma(v, v, acc[a]);
     }
-  for (int a = 0; a < A; ++a) I::reduce_rows(acc[a], ss + R * a);
+  I::template reduce_rows<A>(acc, ss);
 }
 
 // Sums of squares of rows [n, n + count) of the tile, count <= kGroupRows.
@@ -298,7 +298,7 @@ void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::i
       const char* next = reinterpret_cast<const char*>(x[i]) + ahead;
       for (std::int64_t b = 0; b < bytes; b += 64) I::prefetch(next + b);
     }
-  if (count == kGroupRows<I>) return sum_squares<I, D, kAccumulators>(x, hd, ss);
+  if (count == kGroupRows<I>) return sum_squares<I, D, I::kAccumulators>(x, hd, ss);
   // A last, partial group: one accumulator at a time, a missing row standing in for the last.
   for (int i = 0; i < count; i += R) {
     const Storage<D>* rows[R];
