@@ -150,12 +150,14 @@ def apply_rotary_emb(
         return ops.rope(x, None, cos_b, sin_b, rotation=rotation)[0]
 
     # Complex frequencies (Lumina): freqs_cis.unsqueeze(2) multiplies x's (real, imag) pairs.
-    freqs = freqs_cis.unsqueeze(2)
     if (not torch.is_tensor(freqs_cis) or freqs_cis.dtype != torch.complex64
             or freqs_cis.device.type != "cpu" or x.device.type != "cpu"
             or x.dtype not in _KERNEL_DTYPES or x.dim() != 4 or x.shape[-1] % 2
-            or freqs.shape[-1] != x.shape[-1] // 2
-            or not _broadcasts_to(freqs.shape[:-1], x.shape[:-1])
+            or freqs_cis.dim() < 2):
+        return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+    freqs_shape = (*freqs_cis.shape[:2], 1, *freqs_cis.shape[2:])  # without building the view
+    if (freqs_shape[-1] != x.shape[-1] // 2
+            or not _broadcasts_to(freqs_shape[:-1], x.shape[:-1])
             or (torch.is_grad_enabled() and freqs_cis.requires_grad)):
         return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
     cos, sin = _real_imag(freqs_cis, 2)  # strided views: the kernel reads their columns
