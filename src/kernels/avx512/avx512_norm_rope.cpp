@@ -2,7 +2,8 @@
 // rows in natural order. Pass 1 sums two bf16 or f16 rows per vector (lanes 0-7 one row's 8 partial
 // sums, 8-15 the other's): a 16-lane accumulator of one row would sum in another order. f32 rows
 // take AVX2's one row per 8-lane accumulator (Avx512NormOneRow): that order took 0.8x the time of
-// the pairs on f32 rows at T = 4096 but 1.2x on bf16 rows at T = 512, so f32 only. bf16 rows are
+// the pairs on f32 rows at T = 4096 but 1.2x on bf16 rows at T = 512, so f32 only (measured with
+// 4 rows per group; AVX2 now sums 8, not yet timed on AVX-512). bf16 rows are
 // narrowed by integer rounding, or in the table of a CPU with AVX512-BF16 by vcvtne2ps2bf16, two
 // vectors at a time where a row's steps allow, else vcvtneps2bf16 (avx512_lanes.hpp's
 // NarrowBf16Insn; NaturalOrder::store_finite_pairs).
