@@ -154,7 +154,11 @@ const FusedCase kCases[] = {{64, 64, 4, 2, true},
                             // head_dim not a multiple of 8 or 16 past a whole-vector rotation
                             // (masked tails), more than 8 heads (several row groups per tile)
                             {100, 64, 9, 3, true},
-                            {72, 64, 16, 8, false}};
+                            {72, 64, 16, 8, false},
+                            // pass-1 groups of 8 rows with a partial remainder (q 8 + 4), and
+                            // partial groups padded to 8 (k 5, q 6) and a one-row group (k 1)
+                            {64, 64, 12, 5, false},
+                            {128, 128, 6, 1, true}};
 
 // bf16 tables with q's bf16 weight (not Gemma's 1 + w) take the exact-product epilogue for q.
 TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {

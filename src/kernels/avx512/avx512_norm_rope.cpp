@@ -99,8 +99,10 @@ struct Avx512Norm {
       ss[2 * a + 1] = _mm256_cvtss_f32(_mm512_extractf32x8_ps(t, 1));
     }
   }
-  // 1 / sqrt(ss / hd + eps) of the group's 8 rows, the scalar kernel's operations lane by lane.
-  static ROME_INLINE void inverse_rms(const float* ss, std::int64_t hd, float eps, float* scale) {
+  // 1 / sqrt(ss / hd + eps) of the group's 8 rows (the first `rows` of them used), the scalar
+  // kernel's operations lane by lane.
+  static ROME_INLINE void inverse_rms(const float* ss, int /*rows*/, std::int64_t hd, float eps,
+                                      float* scale) {
     _mm256_storeu_ps(
         scale, _mm256_div_ps(_mm256_set1_ps(1.0f),
                              _mm256_sqrt_ps(_mm256_add_ps(

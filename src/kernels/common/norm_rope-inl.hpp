@@ -6,10 +6,10 @@
 // accumulators, each the 8 partial sums of kRowsPerVector rows, so the group's fma chains overlap
 // (AVX2: 8 rows, one per 8-lane vector, as 4 left the chains latency-bound; AVX-512: 4 of two rows
 // per 16-lane vector, since a 16-lane accumulator of one row would sum in another order, but f32
-// rows one per 8-lane vector: SumSquares<D>, SumSquaresOf); then 1 / rms of the whole group at once
-// (one row's divide-root-divide chain would hold up its rotation). For rows of up to 1 KiB it also
-// asks for the bytes of rows further along (prefetch_distance): one core waits on memory with the
-// hardware prefetchers alone (BENCHMARKS.md).
+// rows 8 at a time as on AVX2: SumSquares<D>, SumSquaresOf); then 1 / rms of the whole group at
+// once (one row's divide-root-divide chain would hold up its rotation). For rows of up to 1 KiB it
+// also asks for the bytes of rows further along (prefetch_distance): one core waits on memory with
+// the hardware prefetchers alone (BENCHMARKS.md).
 //
 // Pass 2 reads each row again from L1 (no buffer) and forms r·(x_a·C' + x_b·S') with the weight
 // folded into the table row once per table row (FoldedRow: the fused executor hands one table row
@@ -25,17 +25,17 @@
 // so no permute, vpmovzx or pack); its `takes(r, kind)` says which rotations it runs.
 //
 // Traits I: F (kLanes fp32 lanes) with loadu, storeu, set1, add, sub, mul, fma, max, abs,
-// any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and
-// combine_exact_product (as avx2_lanes.hpp / avx512_lanes.hpp); Count and lanes(n) (the first n
-// lanes, n > 0), load_floats(p, Count); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows,
-// j, n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8),
-// split_rows_bf16(rows, j) (.even, .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss)
-// (each row of A accumulators: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, hd, eps,
-// scale) of a group's kAccumulators·kRowsPerVector rows; prefetch. Storage lanes L: T, load / store
-// (whole or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes),
-// load / store of a chunk of the row in table order, swap_pairs (each lane's interleave partner),
-// the weights in table order; one whose tables are not natural (kNaturalTables) also gives
-// to_natural, and a Bf16Order takes(r, kind) and kLayout.
+// any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and combine_exact_product
+// (as avx2_lanes.hpp / avx512_lanes.hpp); Count and lanes(n) (the first n lanes, n > 0),
+// load_floats(p, Count); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows, j, n) (lanes [j,
+// j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8), split_rows_bf16(rows, j) (.even,
+// .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss) (each row of A accumulators:
+// ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, rows, hd, eps, scale) of the first `rows`
+// of a group's kAccumulators·kRowsPerVector rows; prefetch. Storage lanes L: T, load / store (whole
+// or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes), load /
+// store of a chunk of the row in table order, swap_pairs (each lane's interleave partner), the
+// weights in table order; one whose tables are not natural (kNaturalTables) also gives to_natural,
+// and a Bf16Order takes(r, kind) and kLayout.
 #pragma once
 
 #include <algorithm>
@@ -281,7 +281,20 @@ ROME_INLINE void sum_squares(const Storage<D>* const* x, std::int64_t hd, float*
   I::template reduce_rows<A>(acc, ss);
 }
 
-// Sums of squares of rows [n, n + count) of the tile, count <= kGroupRows.
+// sum_squares of the rows of `accumulators` <= A accumulators, on the smallest power of two of
+// them that holds those rows (the rows up to it present: sums past them are computed, unused).
+template <class I, DType D, int A>
+ROME_INLINE void sum_squares_fewest(const Storage<D>* const* x, int accumulators, std::int64_t hd,
+                                    float* ss) {
+  static_assert((A & (A - 1)) == 0, "kAccumulators is a power of two");
+  if constexpr (A > 1) {
+    if (accumulators <= A / 2) return sum_squares_fewest<I, D, A / 2>(x, accumulators, hd, ss);
+  }
+  sum_squares<I, D, A>(x, hd, ss);
+}
+
+// Sums of squares of rows [n, n + count) of the tile, 0 < count <= kGroupRows; ss has kGroupRows
+// entries.
 template <class I, DType D>
 void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::int64_t hd,
                       float* ss) {
@@ -298,15 +311,11 @@ void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::i
       const char* next = reinterpret_cast<const char*>(x[i]) + ahead;
       for (std::int64_t b = 0; b < bytes; b += 64) I::prefetch(next + b);
     }
-  if (count == kGroupRows<I>) return sum_squares<I, D, I::kAccumulators>(x, hd, ss);
-  // A last, partial group: one accumulator at a time, a missing row standing in for the last.
-  for (int i = 0; i < count; i += R) {
-    const Storage<D>* rows[R];
-    float part[R];
-    for (int k = 0; k < R; ++k) rows[k] = x[std::min(i + k, count - 1)];
-    sum_squares<I, D, 1>(rows, hd, part);
-    for (int k = 0; k < R && i + k < count; ++k) ss[i + k] = part[k];
-  }
+  // A partial group (a token with fewer heads than a group, or its last ones) takes the fewest
+  // accumulators that hold it, the last row standing in for the missing ones (summed one row at a
+  // time, a tile of 4 heads took 5% longer on AVX2).
+  for (int i = count; i < kGroupRows<I>; ++i) x[i] = x[count - 1];
+  sum_squares_fewest<I, D, I::kAccumulators>(x, (count + R - 1) / R, hd, ss);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -418,7 +427,7 @@ template <class I, DType D, class L, class O, NormKind K, bool kExact>
     for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
       const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
       sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
-      Pass1::inverse_rms(ss, hd, norm.eps, scales);
+      Pass1::inverse_rms(ss, group, hd, norm.eps, scales);
       for (int i = 0; i < group; ++i) {
         const std::int64_t n = n0 + i;
         const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));

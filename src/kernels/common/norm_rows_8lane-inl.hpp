@@ -48,8 +48,19 @@ struct OneRowPer8Lanes {
       }
     }
   }
-  // 1 / sqrt(ss / hd + eps) of the group's 8 rows, the scalar kernel's operations lane by lane.
-  static ROME_INLINE void inverse_rms(const float* ss, std::int64_t hd, float eps, float* scale) {
+  // 1 / sqrt(ss / hd + eps) of the group's first `rows` rows (up to 8), the scalar kernel's
+  // operations lane by lane. A group of 4 or fewer takes the 128-bit forms: the 256-bit divide and
+  // root cost 4-head tiles 4% more time on a Zen 3.
+  static ROME_INLINE void inverse_rms(const float* ss, int rows, std::int64_t hd, float eps,
+                                      float* scale) {
+    if (rows <= 4) {
+      _mm_storeu_ps(
+          scale,
+          _mm_div_ps(_mm_set1_ps(1.0f),
+                     _mm_sqrt_ps(_mm_add_ps(_mm_div_ps(_mm_loadu_ps(ss), _mm_set1_ps(float(hd))),
+                                            _mm_set1_ps(eps)))));
+      return;
+    }
     _mm256_storeu_ps(
         scale, _mm256_div_ps(_mm256_set1_ps(1.0f),
                              _mm256_sqrt_ps(_mm256_add_ps(
