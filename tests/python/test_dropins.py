@@ -21,6 +21,7 @@ result `lib` of the same formula y = a + b (a = x·cos, b = rotate(x)·sin), |a|
 
 import importlib
 import inspect
+import re
 import sys
 
 import pytest
@@ -477,6 +478,38 @@ def test_diffusers_complex(dtype):
     exact, terms = exact_and_terms(x, c, s, rotate_pairs64)
     assert_matches_library(out, lib, terms, products_rounded=False)
     assert_correctly_rounded(out, exact, terms)
+
+
+@pytest.mark.parametrize("case", ["batch_rank3", "shared_rank3", "complex128", "rank2", "rank4",
+                                  "odd_width"])
+def test_diffusers_complex_takes_the_kernel_only_where_it_can(case, monkeypatch):
+    """Lumina's form (use_real=False) runs RoME's kernel for complex64 freqs_cis [B or 1, S, D/2]
+    and hands everything else to diffusers' own math (complex128, another rank, a width that is
+    not D/2), with diffusers' results either way."""
+    embeddings = need_module("diffusers.models.embeddings")
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(2, 6, 3, 16, generator=g)
+    angle = torch.rand(2, 6, 8, generator=g) * 9
+    freqs = {"batch_rank3": torch.polar(torch.ones_like(angle), angle),
+             "shared_rank3": torch.polar(torch.ones_like(angle[:1]), angle[:1]),
+             "complex128": torch.polar(torch.ones_like(angle), angle).to(torch.complex128),
+             "rank2": torch.polar(torch.ones_like(angle[0]), angle[0]),
+             "rank4": torch.polar(torch.ones_like(angle), angle)[:, :, None],
+             "odd_width": torch.polar(torch.ones_like(angle[..., :6]), angle[..., :6])}[case]
+    fallbacks = []
+    original = rome.diffusers._reference
+    monkeypatch.setattr(rome.diffusers, "_reference",
+                        lambda *args: fallbacks.append(1) or original(*args))
+    try:
+        lib = embeddings.apply_rotary_emb(x, freqs, use_real=False)
+    except RuntimeError as error:  # shapes diffusers' own math does not take either
+        with pytest.raises(RuntimeError, match=re.escape(str(error)[:40])):
+            rome.diffusers.apply_rotary_emb(x, freqs, use_real=False)
+        assert fallbacks
+        return
+    out = rome.diffusers.apply_rotary_emb(x, freqs, use_real=False)
+    assert bool(fallbacks) == (case not in ("batch_rank3", "shared_rank3"))
+    torch.testing.assert_close(out, lib, rtol=2e-6, atol=2e-6)
 
 
 def test_diffusers_complex_views_follow_their_tensor():
