@@ -363,5 +363,47 @@ TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndEveryKindMatchesScalar) {
 }
 #endif
 
+// The dense forward's epilogue where xa·c overflows fp32 from finite inputs: the compensated
+// epilogue's guard gives inf there, where the unguarded form would give inf − inf = NaN. Bit for
+// bit against the scalar kernel on every ISA, 16 lanes at a time (AVX2 bf16 narrows pairs) and
+// the last lanes alone. The matrix has an entry not exact in bf16, so every ISA takes its FMA
+// products (AMX's tile unit, which sums in its own order, is left out for bf16 x).
+TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
+  const std::int64_t rd = 40, rows = 6;
+  std::vector<float> b = Rotation::half(rd).to_dense_b();
+  b[std::size_t(3 * rd + 23)] = 1.0009765625f;  // 1 + 2^-10
+  const Rotation rotation = Rotation::dense(b, rd);
+  for (DType dtype : {DType::f32, DType::bf16}) {
+    TestTensor x = TestTensor::make(dtype, {rows, rd});
+    TestTables tables;
+    tables.cos = TestTensor::make(DType::f32, {rows, rd});
+    tables.sin = TestTensor::make(DType::f32, {rows, rd});
+    x.fill([](const auto& i) {
+      const std::int64_t r = i[0], j = i[1];
+      if (r == 1) return j % 3 ? 3.0e38 : -2.0e38;  // xa·c past FLT_MAX
+      if (r == 3 && j == 37) return 3.0e38;         // one overflow among the last lanes
+      return 0.25 * double((r * 5 + j) % 9) - 1.0;
+    });
+    tables.cos.fill([](const auto& i) { return i[0] % 2 ? 1.5 : 0.9 - 0.01 * double(i[1]); });
+    tables.sin.fill([](const auto& i) { return i[0] % 2 ? 0.75 : 0.2 + 0.01 * double(i[1]); });
+    auto run = [&](Isa isa) {
+      ScopedIsa scoped(isa);
+      TestTensor out = TestTensor::make(dtype, x.shape);
+      rope_forward(rotation, tables.view(), Operand{x.cview(), out.view()});
+      return out;
+    };
+    const TestTensor expected = run(Isa::scalar);
+    EXPECT_TRUE(std::isinf(expected.get({1, 0})));
+    EXPECT_TRUE(std::isinf(expected.get({3, 37})));
+    for (Isa isa : isas_under_test()) {
+      if (isa == Isa::amx && dtype == DType::bf16) continue;
+      const TestTensor got = run(isa);
+      for (std::int64_t e = 0; e < x.numel(); ++e)
+        ASSERT_EQ(bits_at(got, e), bits_at(expected, e))
+            << isa_name(isa) << " " << dtype_name(dtype) << " element " << e;
+    }
+  }
+}
+
 }  // namespace
 }  // namespace rome::testing

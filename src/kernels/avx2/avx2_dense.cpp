@@ -26,6 +26,10 @@ struct Avx2Vectors {
   static ROME_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static ROME_INLINE void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static ROME_INLINE F combine(F xa, F c, F xb, F s) { return avx2::combine(xa, c, xb, s); }
+  static ROME_INLINE F combine_unguarded(F xa, F c, F xb, F s) {
+    return avx2::combine_unguarded(xa, c, xb, s);
+  }
+  static ROME_INLINE bool any_nan(F a, F b) { return avx2::any_nan(a, b); }
 };
 
 // R rows of c, 16 columns at a time. Whole column groups use plain loads and stores (masked

@@ -135,7 +135,12 @@ struct Bf16NanLowBitsZero {
 };
 
 template <>
-struct Lanes<DType::bf16> : Lanes16<Bf16> {};
+struct Lanes<DType::bf16> : Lanes16<Bf16> {
+  // 16 consecutive values from two vectors with no NaN lane: one narrowing, one 32-byte store.
+  static ROME_INLINE void store_pair_not_nan(T* p, __m256 a, __m256 b) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), narrow_bf16_pair_not_nan(a, b));
+  }
+};
 template <>
 struct Lanes<DType::f16> : Lanes16<Fp16> {};
 
