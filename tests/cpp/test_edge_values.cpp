@@ -366,8 +366,9 @@ TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndEveryKindMatchesScalar) {
 // The dense forward's epilogue where xa·c overflows fp32 from finite inputs: the compensated
 // epilogue's guard gives inf there, where the unguarded form would give inf − inf = NaN. Bit for
 // bit against the scalar kernel on every ISA, 16 lanes at a time (AVX2 bf16 narrows pairs) and
-// the last lanes alone. The matrix has an entry not exact in bf16, so every ISA takes its FMA
-// products (AMX's tile unit, which sums in its own order, is left out for bf16 x).
+// the last lanes alone, with a table NaN whose pair must take the NaN-aware narrowing. The matrix
+// has an entry not exact in bf16, so every ISA takes its FMA products (AMX's tile unit, which sums
+// in its own order, is left out for bf16 x).
 TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
   const std::int64_t rd = 40, rows = 6;
   std::vector<float> b = Rotation::half(rd).to_dense_b();
@@ -386,6 +387,10 @@ TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
     });
     tables.cos.fill([](const auto& i) { return i[0] % 2 ? 1.5 : 0.9 - 0.01 * double(i[1]); });
     tables.sin.fill([](const auto& i) { return i[0] % 2 ? 0.75 : 0.2 + 0.01 * double(i[1]); });
+    // A NaN with low payload bits: its pair takes the NaN-aware narrowing, which quietens it
+    // with those bits dropped as the scalar conversion does.
+    const std::uint32_t nan = 0x7f80ffffu;
+    std::memcpy(tables.cos.at({4, 5}), &nan, sizeof nan);
     auto run = [&](Isa isa) {
       ScopedIsa scoped(isa);
       TestTensor out = TestTensor::make(dtype, x.shape);
@@ -395,6 +400,7 @@ TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
     const TestTensor expected = run(Isa::scalar);
     EXPECT_TRUE(std::isinf(expected.get({1, 0})));
     EXPECT_TRUE(std::isinf(expected.get({3, 37})));
+    EXPECT_TRUE(std::isnan(expected.get({4, 5})));
     for (Isa isa : isas_under_test()) {
       if (isa == Isa::amx && dtype == DType::bf16) continue;
       const TestTensor got = run(isa);

@@ -156,7 +156,7 @@ const FusedCase kCases[] = {{64, 64, 4, 2, true},
                             {100, 64, 9, 3, true},
                             {72, 64, 16, 8, false},
                             // pass-1 groups of 8 rows with a partial remainder (q 8 + 4), and
-                            // partial groups padded to 8 (k 5, q 6) and a one-row group (k 1)
+                            // partial groups padded to 8 rows (k 5; q 6 at head_dim 128)
                             {64, 64, 12, 5, false},
                             {128, 128, 6, 1, true}};
 

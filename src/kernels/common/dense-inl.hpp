@@ -16,7 +16,9 @@
 // The traits type V provides: F (a vector of kLanes floats); kDenseRows (R: R·2 accumulators +
 // 2 panel vectors + 1 broadcast must fit the register file); Lanes<D> (load/store of storage
 // type D, whole or the first n lanes); zero(), load(const float*), broadcast(const float*),
-// fma(a, b, c) = a·b + c rounded once, store(float*, F) (unaligned forms), combine(xa, c, xb, s).
+// fma(a, b, c) = a·b + c rounded once, store(float*, F) (unaligned forms), combine(xa, c, xb, s);
+// optionally combine_unguarded, any_nan(a, b) and Lanes<D>::store_pair_not_nan, which let the
+// epilogue take 2·kLanes lanes at a time (kStoresPairs).
 #pragma once
 
 #include <algorithm>
