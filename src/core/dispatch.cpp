@@ -222,6 +222,10 @@ const CacheSizes& cache_sizes() noexcept {
   return sizes;
 }
 
+bool outgrows_cache_share(std::int64_t bytes) noexcept {
+  return bytes > cache_sizes().l3_per_thread * 3 / 4;
+}
+
 int resolve_threads(int requested) noexcept {
   if (requested > 0) return requested;
   const int configured = configured_threads.load(std::memory_order_relaxed);

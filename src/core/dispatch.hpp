@@ -35,6 +35,11 @@ struct CacheSizes {
   std::int64_t l1d, l2, l3, l3_per_thread;
 };
 const CacheSizes& cache_sizes() noexcept;
+// Whether `bytes` written once cannot stay in the last-level cache, so non-temporal stores pay:
+// glibc 2.26-2.37's rule for memmove (3/4 of one thread's share of the L3), so RoME streams about
+// where the copy floor does (a VM reports its host's whole L3, and outputs below that paid the
+// read-for-ownership of every line; BENCHMARKS.md).
+bool outgrows_cache_share(std::int64_t bytes) noexcept;
 // Tests only: report `sizes` instead of this CPU's (nullptr: back to normal), so that cache-size
 // decisions (streaming stores, tile budgets) are exercised on any machine.
 void override_cache_sizes_for_testing(const CacheSizes* sizes) noexcept;

@@ -264,11 +264,11 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
   };
 
   // Cache rows are written once and read by a later attention pass: when all of them outgrow
-  // this thread's share of the L3 (the executor's rule for streaming outputs) they are stored
-  // non-temporally, which spares reading every destination line before writing it (prefill,
-  // T = 4096 of Qwen3-8B shapes, 1 and 2 threads: 8-14% less time per call).
+  // the cache (the executor's rule for streaming outputs) they are stored non-temporally, which
+  // spares reading every destination line before writing it (prefill, T = 4096 of Qwen3-8B
+  // shapes, 1 and 2 threads: 8-14% less time per call).
   const bool stream_cache =
-      kv && 2 * tokens * k.shape[1] * kv_row_bytes > detail::cache_sizes().l3_per_thread * 3 / 4;
+      kv && detail::outgrows_cache_share(2 * tokens * k.shape[1] * kv_row_bytes);
   auto copy_row = [&](char* d, const char* s, std::size_t n) {
     if (stream_cache && (reinterpret_cast<std::uintptr_t>(d) & 15) == 0 && n % 16 == 0)
       stream_bytes(d, s, n);

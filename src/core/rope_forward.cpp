@@ -318,10 +318,7 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   ex.parts = tiles < wanted ? std::min(rows, (wanted + tiles - 1) / tiles) : 1;
   // Non-temporal stores pay only when the output cannot stay in the last-level cache, and never
   // in place: there they would evict the lines just read (on some CPUs serialising every line).
-  // "Cannot stay" is about glibc 2.26-2.37's rule for memmove (3/4 of one thread's share of the
-  // L3), so RoME streams about where the copy floor does: a VM reports its host's whole L3, and
-  // outputs below that paid the read-for-ownership of every line (BENCHMARKS.md).
-  ex.large_output = plan.bytes_moved / 2 > detail::cache_sizes().l3_per_thread * 3 / 4;
+  ex.large_output = detail::outgrows_cache_share(plan.bytes_moved / 2);
   ex.table_values = detail::table_values(plan);
 
   if (threads <= 1 || ex.items() == 1) {
