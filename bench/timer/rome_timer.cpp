@@ -38,8 +38,9 @@
 //
 // Output: one JSON object on stdout; times are seconds per call. The copy ("floor") reads x (and
 // k) and writes the output buffers with memcpy, and reads every table byte the call reads, split
-// into `threads` contiguous pieces on RoME's own thread pool. Samples of RoME and of the copy
-// alternate, so background load affects both alike.
+// into `threads` contiguous pieces on RoME's own thread pool; "stream_copy" does the same with
+// non-temporal stores (copy_floor.hpp: on some machines memcpy is well above the memory's
+// speed). Samples of RoME and of both copies alternate, so background load affects them alike.
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -415,16 +416,18 @@ int main(int argc, char** argv) {
     const int copy_threads =
         int(std::clamp<std::size_t>(total / (std::size_t(256) << 10), 1, std::size_t(threads)));
     auto copy = [&] { rome::bench::run_copy(job, copy_threads); };
+    auto stream_copy = [&] { rome::bench::run_copy(job, copy_threads, true); };
 
-    for (int i = 0; i < std::max(1, warmup); ++i) rope(), copy();
+    for (int i = 0; i < std::max(1, warmup); ++i) rope(), copy(), stream_copy();
     if (inner <= 0) {
       const double once = std::min(seconds(rope, 1), seconds(copy, 1));
       inner = std::clamp(int(std::ceil(1e-3 / std::max(once, 1e-9))), 1, 100000);
     }
-    std::vector<double> t_rope, t_copy;
+    std::vector<double> t_rope, t_copy, t_stream;
     for (int r = 0; r < repeats; ++r) {
       t_rope.push_back(seconds(rope, inner));
       t_copy.push_back(seconds(copy, inner));
+      t_stream.push_back(seconds(stream_copy, inner));
     }
     const double bytes = double(total + std::size_t(q_elems + k_elems) * es);  // reads + writes
     // The matrix part of a dense rotation: 2 flops per multiply-add, per row, per diagonal block
@@ -442,15 +445,17 @@ int main(int argc, char** argv) {
         "\"dtype\": \"%s\", \"table_dtype\": \"%s\", \"in_place\": %s, \"threads\": %d, "
         "\"copy_threads\": %d, \"isa\": \"%s\", \"repeats\": %d, \"inner\": %d, \"bytes\": %.0f, "
         "\"rome_median_s\": %.9g, \"rome_min_s\": %.9g, \"copy_median_s\": %.9g, "
-        "\"copy_min_s\": %.9g, \"ratio_to_copy\": %.4f, \"path\": \"%s\", \"matrix_flops\": "
-        "%.0f}\n",
+        "\"copy_min_s\": %.9g, \"ratio_to_copy\": %.4f, \"stream_copy_median_s\": %.9g, "
+        "\"stream_copy_min_s\": %.9g, \"ratio_to_stream_copy\": %.4f, \"path\": \"%s\", "
+        "\"matrix_flops\": %.0f}\n",
         rotation_kind.c_str(), shape_json(blocks).c_str(), shape_json(q_shape).c_str(),
         shape_json(k_shape).c_str(), static_cast<long long>(cache), rome::dtype_name(dtype),
         rome::dtype_name(table_dtype), in_place ? "true" : "false", threads, copy_threads,
         isa_name == "avx512-no-bf16" ? isa_name.c_str() : rome::isa_name(rome::active_isa()),
         repeats, inner, bytes, median(t_rope), *std::min_element(t_rope.begin(), t_rope.end()),
         median(t_copy), *std::min_element(t_copy.begin(), t_copy.end()),
-        median(t_rope) / median(t_copy),
+        median(t_rope) / median(t_copy), median(t_stream),
+        *std::min_element(t_stream.begin(), t_stream.end()), median(t_rope) / median(t_stream),
         rotation.kind() == rome::Rotation::Kind::dense ? "dense" : "permute", matrix_flops);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "rome_timer: %s\n", e.what());
