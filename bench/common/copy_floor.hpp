@@ -1,9 +1,9 @@
 // The copy floor both benchmark programs compare RoME with: memcpy of every input byte to its
 // output plus a read pass over the table bytes the call reads, cut into `threads` cache-line
 // aligned pieces run on RoME's own thread pool. The streaming form copies with non-temporal
-// stores instead of memcpy: on the AVX2 Zen 3 VM of BENCHMARKS.md, glibc's memcpy (and torch's
-// copy_) of 177 MB took 1.5x as long as such a loop, so memcpy alone is a floor the hardware
-// beats.
+// stores instead of memcpy (detail::stream_copy): on the AVX2 Zen 3 VM of BENCHMARKS.md, glibc's
+// memcpy (and torch's copy_) of 177 MB took 1.5x as long as such a loop, so memcpy alone is a floor
+// the hardware beats.
 #pragma once
 
 #include <algorithm>
@@ -12,10 +12,7 @@
 #include <cstring>
 #include <vector>
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
+#include "core/dispatch.hpp"
 #include "core/thread_pool.hpp"
 
 namespace rome::bench {
@@ -38,25 +35,6 @@ struct CopyJob {
 // Read-only spans fold into this, so the compiler cannot drop the reads.
 inline std::uint64_t copy_sink = 0;
 
-// n bytes from s to d with 16-byte non-temporal stores where d allows (memcpy elsewhere).
-inline void stream_copy(char* d, const char* s, std::size_t n) {
-#if defined(__SSE2__)
-  for (; n > 0 && (reinterpret_cast<std::uintptr_t>(d) & 15) != 0; --n) *d++ = *s++;
-  for (; n >= 64; n -= 64, d += 64, s += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
-  }
-  _mm_sfence();
-#endif
-  std::memcpy(d, s, n);
-}
-
 inline void copy_piece(const CopyJob& job, std::size_t begin, std::size_t end,
                        bool stream = false) {
   std::uint64_t acc = 0;
@@ -67,7 +45,7 @@ inline void copy_piece(const CopyJob& job, std::size_t begin, std::size_t end,
       const char* src = s.src + (lo - at);
       if (s.dst) {
         if (stream)
-          stream_copy(s.dst + (lo - at), src, hi - lo);
+          rome::detail::stream_copy(s.dst + (lo - at), src, hi - lo);
         else
           std::memcpy(s.dst + (lo - at), src, hi - lo);
       } else {

@@ -1,6 +1,8 @@
 #include "dispatch.hpp"
 
+#include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 
@@ -9,6 +11,10 @@
 
 #if defined(__unix__)
 #include <unistd.h>
+#endif
+
+#if defined(__SSE2__)
+#include <emmintrin.h>
 #endif
 
 #if defined(__x86_64__) || defined(_M_X64)
@@ -224,6 +230,33 @@ const CacheSizes& cache_sizes() noexcept {
 
 bool outgrows_cache_share(std::int64_t bytes) noexcept {
   return bytes > cache_sizes().l3_per_thread * 3 / 4;
+}
+
+void stream_bytes(char* d, const char* s, std::size_t n) noexcept {
+#if defined(__SSE2__)
+  for (std::size_t i = 0; i < n; i += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
+#else
+  std::memcpy(d, s, n);
+#endif
+}
+
+void fence_streamed() noexcept {
+#if defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
+void stream_copy(void* dst, const void* src, std::size_t n) noexcept {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+  const std::size_t head = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16);
+  std::memcpy(d, s, head);
+  const std::size_t body = (n - head) / 16 * 16;
+  stream_bytes(d + head, s + head, body);
+  std::memcpy(d + head + body, s + head + body, n - head - body);
+  fence_streamed();
 }
 
 int resolve_threads(int requested) noexcept {

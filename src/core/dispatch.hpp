@@ -40,6 +40,14 @@ const CacheSizes& cache_sizes() noexcept;
 // where the copy floor does (a VM reports its host's whole L3, and outputs below that paid the
 // read-for-ownership of every line; BENCHMARKS.md).
 bool outgrows_cache_share(std::int64_t bytes) noexcept;
+// n bytes (a multiple of 16, d 16-byte aligned) with non-temporal stores; SSE2, which every
+// x86-64 CPU has: the store bandwidth, not the vector width, limits a copy to memory. Elsewhere
+// a plain copy. fence_streamed orders such stores before whatever publishes them (a pool's join).
+void stream_bytes(char* d, const char* s, std::size_t n) noexcept;
+void fence_streamed() noexcept;
+// A whole copy that way (any alignment; the ends plain), fenced: the benchmarks' streaming copy
+// floor (glibc's memcpy of 177 MB took 1.5x its time on an AVX2 Zen 3; BENCHMARKS.md).
+void stream_copy(void* dst, const void* src, std::size_t n) noexcept;
 // Tests only: report `sizes` instead of this CPU's (nullptr: back to normal), so that cache-size
 // decisions (streaming stores, tile budgets) are exercised on any machine.
 void override_cache_sizes_for_testing(const CacheSizes* sizes) noexcept;

@@ -4,10 +4,6 @@
 // are copied into their cache slot while they are still in L1 or L2.
 #include "rome/fused.hpp"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -28,26 +24,6 @@ using std::int64_t;
 using std::to_string;
 
 constexpr int64_t kTokensPerTile = 16;
-
-// n bytes (a multiple of 16, d 16-byte aligned) with non-temporal stores; SSE2, which every
-// x86-64 CPU has: the store bandwidth, not the vector width, limits a copy to memory. Elsewhere
-// a plain copy.
-void stream_bytes(char* d, const char* s, std::size_t n) {
-#if defined(__SSE2__)
-  for (std::size_t i = 0; i < n; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-#else
-  std::memcpy(d, s, n);
-#endif
-}
-
-// Orders the non-temporal stores before the pool's join publishes the rows.
-void fence_streamed() {
-#if defined(__SSE2__)
-  _mm_sfence();
-#endif
-}
 
 ConstTensorView cview(const TensorView& v) {
   return as_const(v);
@@ -271,7 +247,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
       kv && detail::outgrows_cache_share(2 * tokens * k.shape[1] * kv_row_bytes);
   auto copy_row = [&](char* d, const char* s, std::size_t n) {
     if (stream_cache && (reinterpret_cast<std::uintptr_t>(d) & 15) == 0 && n % 16 == 0)
-      stream_bytes(d, s, n);
+      detail::stream_bytes(d, s, n);
     else
       std::memcpy(d, s, n);
   };
@@ -320,7 +296,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
         }
       }
     }
-    if (stream_cache) fence_streamed();
+    if (stream_cache) detail::fence_streamed();
   };
 
   int threads = detail::resolve_threads(options.num_threads);
