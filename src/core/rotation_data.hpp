@@ -133,6 +133,9 @@ struct RotationData {
   // executor folds them into the table rows it hands to the kernels: (±x)·c == x·(±c) and
   // fma(±x, s, t) == fma(x, ±s, t) bit for bit, so kernels only move lanes.
   std::vector<std::uint32_t> cos_sign_bits, sin_sign_bits;
+  // The same in TableLayout::even_odd_16 order (each 16 lanes' even lanes, then their odd ones),
+  // when rotary_dim is whole 16-lane chunks; else empty.
+  std::vector<std::uint32_t> cos_sign_bits_even_odd_16, sin_sign_bits_even_odd_16;
   // Table-free RoPE: the frequency index of each output lane, when the rotation turns pairs of
   // output lanes {j, m} by one angle each ((x·B)[j] reads the lane that (x·A)[m] reads, and the
   // other way round, with opposite signs); pairs are numbered by their lower lane. Empty when
