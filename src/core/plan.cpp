@@ -902,20 +902,11 @@ void fold_signs(const float* in, const std::uint32_t* signs, std::uint32_t flip,
   for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ flip;
 }
 
-// TableLayout::even_odd_16 of a row whose length is a multiple of 16.
-void split_even_odd_16(const float* in, int64_t n, float* out) {
-  for (int64_t k = 0; k < n; k += 16)
-    for (int i = 0; i < 8; ++i) {
-      out[k + i] = in[k + 2 * i];
-      out[k + 8 + i] = in[k + 2 * i + 1];
-    }
-}
-
 // One table row of fp32 or bf16 values (unit lane stride; lane j reads column j, or j - period
-// past the first `period` lanes: half-width rows) straight into TableLayout::even_odd_16 with the
-// signs (in that order) and `flip` folded in: the bits of load_table_row or spread_row, then
-// fold_signs and split_even_odd_16, in one SSE2 pass instead of three passes and a scratch row
-// (those took about 730 instructions per token, 10-13% of a bf16 BNSD call on a Zen 3).
+// past the first `period` lanes: half-width rows, period a multiple of 16) straight into
+// TableLayout::even_odd_16 with the signs (in that order) and `flip` folded in: the bits of
+// load_table_row or spread_row, then fold_signs and split_even_odd_16, in one SSE2 pass instead of
+// three passes and a scratch row (BENCHMARKS.md, nineteenth session: 3-5% of a bf16 call in cache).
 template <DType D>
 void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* signs,
                         std::uint32_t flip, int64_t rd, float* out) {
@@ -1102,10 +1093,12 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
   const bool spread = (gather || direct) && is_floating(t.dtype_cos) && is_floating(t.dtype_sin) &&
                       (t.width == TableWidth::full || rd == 2 * t.columns);
   const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
-  // fp32 or bf16 rows, gathered or direct, full or half width, into the even/odd layout in one
-  // pass (spread_even_odd_16).
+  // Rows gathered or direct that go to the even/odd layout in one pass, split as well
+  // (spread_even_odd_16): fp32 and bf16 only (whose fp32 bits are a move; fp16 needs a
+  // conversion), unit lanes, rotary_dim whole 16-lane chunks (the signs in even/odd order exist),
+  // and half-width rows whose half is whole chunks too, so that no chunk straddles the two halves.
   auto one_pass_dtype = [](DType d) { return d == DType::f32 || d == DType::bf16; };
-  const bool one_pass =
+  const bool even_odd_in_one_pass =
       even_odd && fold && (gather || (!t.positions && !t.frequencies)) &&
       one_pass_dtype(t.dtype_cos) && one_pass_dtype(t.dtype_sin) && t.cos_lane == 1 &&
       t.sin_lane == 1 && !r.sin_sign_bits_even_odd_16.empty() &&
@@ -1145,26 +1138,22 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
     if (last >= 0) outer[last] = first + i;
     float* c = cos + i * stride;
     float* s = sin + i * stride;
-    // The even/odd layout goes through the scratch rows (load_table_row may have returned them:
-    // the signs are folded in place first), then is split into the tile.
+    // Otherwise the even/odd layout goes through the scratch rows (load_table_row may have
+    // returned them: the signs are folded in place first), then is split into the tile.
     float* folded_cos = even_odd ? row_cos : c;
     float* folded_sin = even_odd ? row_sin : s;
-    if (one_pass) {
+    if (even_odd_in_one_pass || spread) {
       const CacheRows rows = gather ? cache_rows(t, position_at(t, positions_offset(plan, outer)))
                                     : direct_rows(plan, outer);
-      spread_one_pass(rows.cos, t.dtype_cos, r.cos_sign_bits_even_odd_16, 0u, c);
-      spread_one_pass(rows.sin, t.dtype_sin, r.sin_sign_bits_even_odd_16, sin_flip, s);
-      std::fill(c + rd, c + stride, 0.0f);
-      std::fill(s + rd, s + stride, 0.0f);
-      continue;
-    }
-    if (spread) {
-      const CacheRows rows = gather ? cache_rows(t, position_at(t, positions_offset(plan, outer)))
-                                    : direct_rows(plan, outer);
-      spread_row(rows.cos, t.dtype_cos, t.cos_lane, t.width, t.columns, rd, cos_bits, 0u,
-                 folded_cos);
-      spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
-                 folded_sin);
+      if (even_odd_in_one_pass) {
+        spread_one_pass(rows.cos, t.dtype_cos, r.cos_sign_bits_even_odd_16, 0u, c);
+        spread_one_pass(rows.sin, t.dtype_sin, r.sin_sign_bits_even_odd_16, sin_flip, s);
+      } else {
+        spread_row(rows.cos, t.dtype_cos, t.cos_lane, t.width, t.columns, rd, cos_bits, 0u,
+                   folded_cos);
+        spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
+                   folded_sin);
+      }
     } else if (free_rows) {
       fold_signs(c, cos_bits, 0u, rd, c);
       fold_signs(s, sin_bits, sin_flip, rd, s);
@@ -1173,7 +1162,7 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       fold_signs(row.cos, cos_bits, 0u, rd, folded_cos);
       fold_signs(row.sin, sin_bits, 0u, rd, folded_sin);
     }
-    if (even_odd) {
+    if (even_odd && !even_odd_in_one_pass) {
       split_even_odd_16(row_cos, rd, c);
       split_even_odd_16(row_sin, rd, s);
     }

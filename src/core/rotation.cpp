@@ -280,13 +280,9 @@ void finish_permutation(RotationData& d) {
   d.sin_sign_bits = sign_bits(d.b);
   auto even_odd_16 = [](const std::vector<std::uint32_t>& bits) {
     std::vector<std::uint32_t> split;
-    if (bits.size() % 16 != 0) return split;
+    if (bits.empty() || bits.size() % 16 != 0) return split;
     split.resize(bits.size());
-    for (std::size_t k = 0; k < bits.size(); k += 16)
-      for (std::size_t i = 0; i < 8; ++i) {
-        split[k + i] = bits[k + 2 * i];
-        split[k + 8 + i] = bits[k + 2 * i + 1];
-      }
+    detail::split_even_odd_16(bits.data(), std::int64_t(bits.size()), split.data());
     return split;
   };
   d.cos_sign_bits_even_odd_16 = even_odd_16(d.cos_sign_bits);

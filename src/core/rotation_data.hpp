@@ -116,6 +116,17 @@ struct PairPanelPacks {
 // analysed matrices). Kernels that cache per-rotation data check it before comparing content.
 std::uint64_t next_rotation_uid() noexcept;
 
+// TableLayout::even_odd_16 of n values (a multiple of 16): each 16's even lanes, then its odd
+// ones (table rows for the kernels that split bf16 x the same way, and their sign bits).
+template <typename T>
+void split_even_odd_16(const T* in, std::int64_t n, T* out) {
+  for (std::int64_t k = 0; k < n; k += 16)
+    for (int i = 0; i < 8; ++i) {
+      out[k + i] = in[k + 2 * i];
+      out[k + 8 + i] = in[k + 2 * i + 1];
+    }
+}
+
 struct RotationData {
   std::uint64_t uid = next_rotation_uid();
   std::int64_t head_dim = 0;
@@ -133,8 +144,8 @@ struct RotationData {
   // executor folds them into the table rows it hands to the kernels: (±x)·c == x·(±c) and
   // fma(±x, s, t) == fma(x, ±s, t) bit for bit, so kernels only move lanes.
   std::vector<std::uint32_t> cos_sign_bits, sin_sign_bits;
-  // The same in TableLayout::even_odd_16 order (each 16 lanes' even lanes, then their odd ones),
-  // when rotary_dim is whole 16-lane chunks; else empty.
+  // The same in TableLayout::even_odd_16 order (split_even_odd_16), when rotary_dim is whole
+  // 16-lane chunks; else empty.
   std::vector<std::uint32_t> cos_sign_bits_even_odd_16, sin_sign_bits_even_odd_16;
   // Table-free RoPE: the frequency index of each output lane, when the rotation turns pairs of
   // output lanes {j, m} by one angle each ((x·B)[j] reads the lane that (x·A)[m] reads, and the

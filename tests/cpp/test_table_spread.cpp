@@ -1,16 +1,18 @@
-// prepare_table_tile's one-pass path (read, spread over the lanes, sine negated, signs folded in
-// one loop) for cache rows gathered by position and for direct rows that cannot be used as given
-// (16-bit, half width, or a lane stride of 2 as in a complex table's real and imaginary views),
-// against its general path (load_table_row per column, then fold_signs), which the same cache
-// takes with one position per column (column_axis): the same values must give the same table tile
-// bit for bit, for every table dtype, width, rotation, inverse and lane layout, with NaN payloads,
-// infinities, signed zeros and subnormals among the values.
+// prepare_table_tile's one-pass paths for cache rows gathered by position and for direct rows:
+// spread_row (read, spread over the lanes, sine negated, signs folded in one loop; 16-bit, half
+// width, or a lane stride of 2 as in a complex table's real and imaginary views) and, into the
+// even/odd layout, spread_even_odd_16 (fp32 or bf16 rows, unit lanes, split as well), against the
+// general path (load_table_row per column, then fold_signs), which the same cache takes with one
+// position per column (column_axis): the same values must give the same table tile bit for bit,
+// for every table dtype (cos and sin apart too), width, rotation, inverse and lane layout, with NaN
+// payloads, infinities, signed zeros and subnormals among the values.
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <cstring>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/convert.hpp"
@@ -117,7 +119,9 @@ TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
   for (const Named& r : rotations) {
     const std::int64_t rd = r.rotation.rotary_dim();
     std::vector<std::uint16_t> x(std::size_t(tokens * heads * r.rotation.head_dim()), 0x3f80);
-    for (DType dtype : {DType::f32, DType::bf16, DType::f16})
+    for (auto [dtype, sin_dtype] :
+         {std::pair{DType::f32, DType::f32}, std::pair{DType::bf16, DType::bf16},
+          std::pair{DType::f16, DType::f16}, std::pair{DType::f32, DType::bf16}})
       for (TableWidth width : {TableWidth::full, TableWidth::halves, TableWidth::pairs})
         for (bool inverse : {false, true})
           for (auto layout :
@@ -126,40 +130,40 @@ TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
             const std::int64_t columns = width == TableWidth::full ? rd : rd / 2;
             Cache cc, cs, sc, ss;
             fill(cc, cs, dtype, rows, columns, 17u + unsigned(cases));
-            fill(sc, ss, dtype, rows, columns, 9001u + unsigned(cases));
+            fill(sc, ss, sin_dtype, rows, columns, 9001u + unsigned(cases));
             std::vector<std::int64_t> positions(static_cast<std::size_t>(tokens));
             for (std::int64_t i = 0; i < tokens; ++i)
               positions[std::size_t(i)] = (i * 7 + 3) % rows;
             // Direct tables: the rows the positions pick, copied in token order.
             Cache dc, ds, sdc, sds;
-            auto direct_of = [&](const Cache& from, Cache& to, std::int64_t lane) {
-              const std::int64_t row_bytes = columns * lane * rome::dtype_size(dtype);
+            auto direct_of = [&](const Cache& from, Cache& to, std::int64_t lane, DType d) {
+              const std::int64_t row_bytes = columns * lane * rome::dtype_size(d);
               to.bytes.resize(std::size_t(tokens * row_bytes));
               for (std::int64_t i = 0; i < tokens; ++i)
                 std::memcpy(&to.bytes[std::size_t(i * row_bytes)],
                             &from.bytes[std::size_t(positions[std::size_t(i)] * row_bytes)],
                             std::size_t(row_bytes));
             };
-            direct_of(cc, dc, 1);
-            direct_of(sc, ds, 1);
-            direct_of(cs, sdc, 2);
-            direct_of(ss, sds, 2);
+            direct_of(cc, dc, 1, dtype);
+            direct_of(sc, ds, 1, sin_dtype);
+            direct_of(cs, sdc, 2, dtype);
+            direct_of(ss, sds, 2, sin_dtype);
             enum class Form { gathered, direct, per_column };
             auto tables_of = [&](const Cache& c, const Cache& s, bool strided, Form form) {
               rome::Tables t;
               const std::int64_t lane = strided ? 2 : 1;
               // Direct tables [tokens, 1, columns] (x is [tokens, heads, hd]); caches [rows,
               // columns].
-              auto view_of = [&](const Cache& table) {
+              auto view_of = [&](const Cache& table, DType d) {
                 const void* data = table.bytes.data();
                 return form == Form::direct
-                           ? rome::make_view<const void*>(data, dtype, {tokens, 1, columns},
+                           ? rome::make_view<const void*>(data, d, {tokens, 1, columns},
                                                           {columns * lane, 0, lane})
-                           : rome::make_view<const void*>(data, dtype, {rows, columns},
+                           : rome::make_view<const void*>(data, d, {rows, columns},
                                                           {columns * lane, lane});
               };
-              t.cos = view_of(c);
-              t.sin = view_of(s);
+              t.cos = view_of(c, dtype);
+              t.sin = view_of(s, sin_dtype);
               if (form == Form::gathered)
                 t.positions =
                     rome::make_view<const void*>(positions.data(), DType::i64, {tokens, 1}, {1, 0});
@@ -173,8 +177,9 @@ TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
               return t;
             };
             const std::string what =
-                r.name + " " + rome::dtype_name(dtype) + " width " + std::to_string(int(width)) +
-                " inverse " + std::to_string(inverse) + " layout " + std::to_string(int(layout));
+                r.name + " " + rome::dtype_name(dtype) + "/" + rome::dtype_name(sin_dtype) +
+                " width " + std::to_string(int(width)) + " inverse " + std::to_string(inverse) +
+                " layout " + std::to_string(int(layout));
             const Tile general = tile_of(r.rotation, tables_of(cc, sc, false, Form::per_column), x,
                                          tokens, heads, layout);
             for (bool strided : {false, true})
