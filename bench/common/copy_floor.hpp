@@ -1,9 +1,10 @@
 // The copy floor both benchmark programs compare RoME with: memcpy of every input byte to its
 // output plus a read pass over the table bytes the call reads, cut into `threads` cache-line
 // aligned pieces run on RoME's own thread pool. The streaming form copies with non-temporal
-// stores instead of memcpy (detail::stream_copy): on the AVX2 Zen 3 VM of BENCHMARKS.md, glibc's
-// memcpy (and torch's copy_) of 177 MB took 1.5x as long as such a loop, so memcpy alone is a floor
-// the hardware beats.
+// stores instead (detail::stream_copy): glibc switches to them only above its
+// x86_non_temporal_threshold (192 MB on the Zen 3 VM of BENCHMARKS.md, from the 256 MB of shared
+// cache the VM reports), so below that memcpy reads every destination line before writing it, and
+// a floor the hardware beats flatters RoME.
 #pragma once
 
 #include <algorithm>

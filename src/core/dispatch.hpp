@@ -46,7 +46,7 @@ bool outgrows_cache_share(std::int64_t bytes) noexcept;
 void stream_bytes(char* d, const char* s, std::size_t n) noexcept;
 void fence_streamed() noexcept;
 // A whole copy that way (any alignment; the ends plain), fenced: the benchmarks' streaming copy
-// floor (glibc's memcpy of 177 MB took 1.5x its time on an AVX2 Zen 3; BENCHMARKS.md).
+// floor (bench/common/copy_floor.hpp says why memcpy alone is not one).
 void stream_copy(void* dst, const void* src, std::size_t n) noexcept;
 // Tests only: report `sizes` instead of this CPU's (nullptr: back to normal), so that cache-size
 // decisions (streaming stores, tile budgets) are exercised on any machine.

@@ -162,10 +162,12 @@ def notes(results: Dict) -> List[str]:
         "Times: median per call, ms (decode row: µs). x = x [1, 24, S, 128] bf16 BNSD unless the row says "
         "otherwise; RoME gets fp32 tables, the PyTorch columns bf16 tables and bf16 math (as transformers "
         "and vLLM's native path ship), ONNX Runtime fp16 (its CPU RotaryEmbedding has no bf16 kernel).",
-        "floor = memcpy of x into a preallocated y (glibc: non-temporal stores) plus one read of RoME's "
-        "fp32 table rows, split over the same threads, in the benchmark process; floor C++ = the same in "
-        "rome_timer's process (the process of RoME C++). RoME/floor = RoME (torch op, out of place) / "
-        "the faster of the two floors; C++/floor = RoME C++ / floor C++ (one process).",
+        "floor = memcpy of x into a preallocated y plus one read of RoME's fp32 table rows, split over "
+        "the same threads, in the benchmark process; floor C++ = the same in rome_timer's process (the "
+        "process of RoME C++), or there a copy with non-temporal stores when that is faster (below its "
+        "non-temporal threshold glibc's memcpy uses ordinary stores, reading every destination line "
+        "first). RoME/floor = RoME (torch op, out of place) / the faster of the two floors; C++/floor "
+        "= RoME C++ / floor C++ (one process).",
         "x small = small ops / RoME; x best = best non-RoME column / RoME (best other names it).",
         "Precision: max over elements of min(abs err, rel err) against a float64 reference, on a slice: "
         + (results["rows"][0]["precision_slice"] if results["rows"] else "") + " (per row). "

@@ -244,8 +244,9 @@ def run_row(row: Row, cfg: Config, timer_path, progress: Callable[[str], None]) 
                 "note": "rope_forward into preallocated outputs; same kernel as RoME (torch)",
                 "command": t["command"],
             }
-            # The faster of memcpy and a copy with non-temporal stores (memcpy was 1.5x slower
-            # than the latter on an AVX2 Zen 3: BENCHMARKS.md).
+            # The faster of memcpy and a copy with non-temporal stores (bench/common/copy_floor.hpp:
+            # below glibc's non-temporal threshold memcpy reads every destination line first). The
+            # smaller of two noisy medians leans a little low.
             stream = t.get("stream_copy_median_s")
             use_stream = stream is not None and stream < t["copy_median_s"]
             methods_out["floor_cpp"] = {
