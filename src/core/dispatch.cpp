@@ -249,6 +249,7 @@ void fence_streamed() noexcept {
 }
 
 void stream_copy(void* dst, const void* src, std::size_t n) noexcept {
+  if (n == 0) return;
   auto* d = static_cast<char*>(dst);
   const auto* s = static_cast<const char*>(src);
   const std::size_t head = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16);

@@ -1,7 +1,8 @@
 // QK-norm + RoPE and RoPE + paged KV-cache write: against a float64 reference built from the
 // separate steps (RMSNorm, rotate, scatter), bit-identical to the scalar kernel on every ISA,
 // head dims 64, 80, 96, 128, 256, partial rotary, GQA, slices of a packed qkv buffer, Gemma's
-// (1 + w), padding slots; bad input writes nothing.
+// (1 + w), padding slots; bad input writes nothing. Also the non-temporal copy the cache write
+// and the benchmarks' floor use.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -463,6 +464,24 @@ TEST(RopeAndCacheKv, BadInputWritesNothing) {
   EXPECT_THROW(qk_norm_rope(rotation, cache.view(true), QkNorm{w.cview(), w.cview(), -1.0f, false},
                             packed.q(), packed.k()),
                Error);
+}
+
+// detail::stream_copy: every byte at every destination alignment and length around the 16-byte
+// body, nothing outside [dst, dst + n) touched.
+TEST(StreamCopy, CopiesEveryByteAtAnyAlignmentAndLength) {
+  std::vector<unsigned char> src(300), dst(340);
+  for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
+  for (std::size_t offset = 0; offset < 20; ++offset)
+    for (std::size_t n : {0, 1, 15, 16, 17, 31, 32, 47, 64, 255, 300}) {
+      std::fill(dst.begin(), dst.end(), 0xee);
+      detail::stream_copy(dst.data() + offset, src.data() + 3, std::min(n, src.size() - 3));
+      const std::size_t m = std::min(n, src.size() - 3);
+      for (std::size_t i = 0; i < dst.size(); ++i) {
+        const bool inside = i >= offset && i < offset + m;
+        ASSERT_EQ(dst[i], inside ? src[i - offset + 3] : 0xee)
+            << "offset " << offset << " n " << n << " byte " << i;
+      }
+    }
 }
 
 }  // namespace
