@@ -14,8 +14,9 @@
 // Counters: GB/s = (read x + read tables + write y) / time. Every rope / scalar / small_ops
 // iteration is followed by a copy of the same bytes with the same threads: ratio = Σ time /
 // Σ copy time, ratio_med = median of the per-iteration ratios (robust when other processes share
-// the machine). decode: us_per_call (mean) and us_per_call_min (fastest block of 256 calls).
-// Every variant is out of place.
+// the machine); rope iterations also by a copy with non-temporal stores (ratio_stream_med). decode:
+// us_per_call (mean) and us_per_call_min (fastest block of 256 calls). Every variant is out of
+// place.
 //
 // A full run takes a few minutes; pick rows with --benchmark_filter, e.g.
 //   rome_bench --benchmark_filter='rope/avx512/bf16/'
@@ -319,27 +320,43 @@ void bench_copy(benchmark::State& state, Case c, DType dtype, int threads) {
 
 // Each iteration times the rope call, then (untimed for the benchmark) the copy of the same
 // bytes: both see the same machine state. ratio = Σ rope / Σ copy; ratio_med = the median of the
-// per-iteration ratios (robust when other processes share the machine).
+// per-iteration ratios (robust when other processes share the machine). With `stream`, also the
+// copy with non-temporal stores (copy_floor.hpp: memcpy can be well above the hardware's floor):
+// stream_copy_GB/s and ratio_stream_med.
 void paired_loop(benchmark::State& state, const std::function<void()>& op,
-                 const std::function<void()>& copy, double bytes) {
+                 const std::function<void()>& copy, double bytes,
+                 const std::function<void()>& stream = nullptr) {
   op();
   copy();
-  double op_total = 0, copy_total = 0;
-  std::vector<double> ratios;
+  if (stream) stream();
+  double op_total = 0, copy_total = 0, stream_total = 0;
+  std::vector<double> ratios, stream_ratios;
   for (auto _ : state) {
     const double t = time_once(op);
     state.SetIterationTime(t);
     const double c = time_once(copy);
     op_total += t, copy_total += c;
     ratios.push_back(t / c);
+    if (stream) {
+      const double s = time_once(stream);
+      stream_total += s;
+      stream_ratios.push_back(t / s);
+    }
   }
   if (ratios.empty()) return;
-  std::sort(ratios.begin(), ratios.end());
+  auto median = [](std::vector<double>& v) {
+    std::sort(v.begin(), v.end());
+    return v[v.size() / 2];
+  };
   const double n = double(ratios.size());
   state.counters["GB/s"] = bytes / (op_total / n) / 1e9;
   state.counters["copy_GB/s"] = bytes / (copy_total / n) / 1e9;
   state.counters["ratio"] = op_total / copy_total;
-  state.counters["ratio_med"] = ratios[ratios.size() / 2];
+  state.counters["ratio_med"] = median(ratios);
+  if (stream) {
+    state.counters["stream_copy_GB/s"] = bytes / (stream_total / n) / 1e9;
+    state.counters["ratio_stream_med"] = median(stream_ratios);
+  }
 }
 
 void bench_rope(benchmark::State& state, Case c, DType dtype, Isa isa, int threads) {
@@ -351,7 +368,7 @@ void bench_rope(benchmark::State& state, Case c, DType dtype, Isa isa, int threa
   const Call call = make_call(c, dtype);
   paired_loop(
       state, [&] { rope_call(call, threads); }, [&] { rome::bench::run_copy(call.copy, threads); },
-      call.bytes);
+      call.bytes, [&] { rome::bench::run_copy(call.copy, threads, true); });
 }
 
 // The unfused baseline on the 1D rows: tables in x's dtype, single thread.
