@@ -170,26 +170,30 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
       const float* c = tile.cos_row(first + row);
       const float* s = tile.sin_row(first + row);
       T* y = static_cast<T*>(tile.y_row(first + row));
+      // Lanes [k, k + L) of the epilogue, with combine's guard.
+      auto guarded = [&](std::int64_t k) ROME_INLINE_LAMBDA {
+        return V::combine(V::load(xa + k), V::load(c + k), V::load(xb + k), V::load(s + k));
+      };
       std::int64_t j = 0;
       if constexpr (kStoresPairs<V, D>) {
         // Two vectors at a time without the guard and the NaN-aware narrowing: where neither
         // result has a NaN lane, the guard changed nothing and neither would the NaN case.
+        auto unguarded = [&](std::int64_t k) ROME_INLINE_LAMBDA {
+          return V::combine_unguarded(V::load(xa + k), V::load(c + k), V::load(xb + k),
+                                      V::load(s + k));
+        };
         for (; j + 2 * L <= rd; j += 2 * L) {
-          const auto v0 = V::combine_unguarded(V::load(xa + j), V::load(c + j), V::load(xb + j),
-                                               V::load(s + j));
-          const auto v1 = V::combine_unguarded(V::load(xa + j + L), V::load(c + j + L),
-                                               V::load(xb + j + L), V::load(s + j + L));
+          const auto v0 = unguarded(j), v1 = unguarded(j + L);
           if (__builtin_expect(!V::any_nan(v0, v1), 1)) {
             Lanes::store_pair_not_nan(y + j, v0, v1);
             continue;
           }
-          for (std::int64_t k = j; k < j + 2 * L; k += L)
-            Lanes::store(y + k, V::combine(V::load(xa + k), V::load(c + k), V::load(xb + k),
-                                           V::load(s + k)));
+          Lanes::store(y + j, guarded(j));
+          Lanes::store(y + j + L, guarded(j + L));
         }
       }
       for (; j < rd; j += L) {
-        const auto v = V::combine(V::load(xa + j), V::load(c + j), V::load(xb + j), V::load(s + j));
+        const auto v = guarded(j);
         const int n = int(std::min<std::int64_t>(L, rd - j));
         if (n == L)
           Lanes::store(y + j, v);
