@@ -32,6 +32,9 @@
 //                       transformers hands them over before its transpose (--q stays B,N,S,D)
 //   --qk-norm           rome::qk_norm_rope (per-head RMSNorm + RoPE, in place) on token-major
 //                       q [T, Hq, D] and k [T, Hk, D] (give --q T,Hq,D --k T,Hk,D)
+//   --packed-qkv        with --qk-norm: q and k are the q and k heads of one packed qkv buffer
+//                       [T, (Hq + 2·Hk)·D] (Hk value heads, untouched), as an engine's qkv
+//                       projection leaves them; the copy floor still copies q's and k's bytes
 //   --isa NAME          cap the ISA (scalar|avx2|avx512|amx), or avx512-no-bf16: the AVX-512
 //                       kernels of CPUs without AVX512-BF16 (bf16 narrowed in integer
 //                       arithmetic), on a CPU that has the instructions
@@ -200,7 +203,8 @@ int usage(const char* why) {
       "[--blocks a,b,..] [--cache P [--shuffle-positions]] [--dtype bf16] [--table-dtype f32] "
       "[--threads N] "
       "[--tile-tokens T] [--min-parallel-bytes B] "
-      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--qk-norm] [--force-dense] "
+      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--qk-norm [--packed-qkv]] "
+      "[--force-dense] "
       "[--matrix-dtype f32|bf16] [--isa NAME]\n",
       why);
   return 2;
@@ -216,6 +220,7 @@ int main(int argc, char** argv) {
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0, min_parallel_bytes = -1;
   bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false;
+  bool packed_qkv = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -259,6 +264,8 @@ int main(int argc, char** argv) {
         shuffle = true;
       else if (a == "--qk-norm")
         qk_norm = in_place = true;
+      else if (a == "--packed-qkv")
+        packed_qkv = true;
       else if (a == "--force-dense")
         force_dense = true;
       else if (a == "--isa")
@@ -276,6 +283,7 @@ int main(int argc, char** argv) {
     return usage("--k needs as many sizes as --q");
   if (qk_norm && (q_shape.size() != 3 || k_shape.size() != 3 || k_shape[0] != q_shape[0]))
     return usage("--qk-norm needs --q T,Hq,D and --k T,Hk,D");
+  if (packed_qkv && !qk_norm) return usage("--packed-qkv needs --qk-norm");
   repeats = std::max(1, repeats);
   if (threads <= 0) threads = rome::default_num_threads();
 
@@ -384,10 +392,20 @@ int main(int argc, char** argv) {
     options.num_threads = threads;
     options.tile_tokens = tile_tokens;
     options.min_parallel_bytes = min_parallel_bytes;
+    // --packed-qkv: q and k as views of one [T, (Hq + 2·Hk)·D] buffer.
+    const std::int64_t qkv_row = packed_qkv ? (q_shape[1] + 2 * k_shape[1]) * dim : 0;
+    Buffer qkv(std::size_t(q_shape[0] * qkv_row) * es);
+    auto norm_q = qv;
+    auto norm_k = view_of<void*>(k.data, dtype, k_shape);
+    if (packed_qkv) {
+      fill_values(qkv.data, dtype, q_shape[0] * qkv_row, 3);
+      norm_q.data = qkv.data;
+      norm_k.data = qkv.bytes_ptr() + q_shape[1] * dim * es;
+      norm_q.strides[0] = norm_k.strides[0] = qkv_row;
+    }
     auto rope = [&] {
       if (qk_norm)
-        rome::qk_norm_rope(rotation, tables, norm, qv, view_of<void*>(k.data, dtype, k_shape),
-                           options);
+        rome::qk_norm_rope(rotation, tables, norm, norm_q, norm_k, options);
       else
         rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options);
     };
