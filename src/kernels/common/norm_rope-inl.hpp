@@ -7,9 +7,7 @@
 // (AVX2: 8 rows, one per 8-lane vector, as 4 left the chains latency-bound; AVX-512: 4 of two rows
 // per 16-lane vector, since a 16-lane accumulator of one row would sum in another order, but f32
 // rows 8 at a time as on AVX2: SumSquares<D>, SumSquaresOf); then 1 / rms of the whole group at
-// once (one row's divide-root-divide chain would hold up its rotation). For rows of up to 1 KiB it
-// also asks for the bytes of rows further along (prefetch_distance): one core waits on memory with
-// the hardware prefetchers alone (BENCHMARKS.md).
+// once (one row's divide-root-divide chain would hold up its rotation).
 //
 // Pass 2 reads each row again from L1 (no buffer) and forms r·(x_a·C' + x_b·S') with the weight
 // folded into the table row once per table row (FoldedRow: the fused executor hands one table row
@@ -17,7 +15,10 @@
 // interleave rotations of whole chunks, on rows that cannot produce inf or NaN
 // (FoldedRow::finite_sum_squares_max): no per-vector test. Every other row (other sizes and
 // permutations, rows with inf, NaN or huge values) takes the contract's lane loop,
-// store_norm_row_lanes, which is the scalar kernel's code.
+// store_norm_row_lanes, which is the scalar kernel's code. Before each row of up to 1 KiB it asks
+// for the bytes of a row further along (prefetch_distance): one core waits on memory with the
+// hardware prefetchers alone (BENCHMARKS.md), and a whole group's lines asked for at once in pass 1
+// (32 on AVX2) took 1.14-1.25x as long from DRAM (Qwen3 shapes, T = 4096, 1 and 2 threads).
 //
 // A chunk is the step of pass 2 along a row, in the table rows' lane order (the Order types):
 // NaturalOrder is one vector in lane order. An ISA may add `Bf16Order` for bf16 rows (AVX2: 16
@@ -27,11 +28,12 @@
 // Traits I: F (kLanes fp32 lanes) with loadu, storeu, set1, add, sub, mul, fma, max, abs,
 // any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and combine_exact_product
 // (as avx2_lanes.hpp / avx512_lanes.hpp); Count and lanes(n) (the first n lanes, n > 0),
-// load_floats(p, Count); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows, j, n) (lanes [j,
-// j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8), split_rows_bf16(rows, j) (.even,
-// .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss) (each row of A accumulators:
+// load_floats(p, Count), prefetch(p); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows, j,
+// n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8),
+// split_rows_bf16(rows, j) (.even, .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss)
+// (each row of A accumulators:
 // ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, rows, hd, eps, scale) of the first `rows`
-// of a group's kAccumulators·kRowsPerVector rows; prefetch. Storage lanes L: T, load / store (whole
+// of a group's kAccumulators·kRowsPerVector rows. Storage lanes L: T, load / store (whole
 // or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes), load /
 // store of a chunk of the row in table order, swap_pairs (each lane's interleave partner), the
 // weights in table order; one whose tables are not natural (kNaturalTables) also gives to_natural,
@@ -301,16 +303,6 @@ void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::i
   constexpr int R = I::kRowsPerVector;
   const Storage<D>* x[kGroupRows<I>];
   for (int i = 0; i < count; ++i) x[i] = static_cast<const Storage<D>*>(tile.x_row(n + i));
-  // An address along the walk through memory (prefetch_distance), not a row ahead in the tile
-  // (token-major calls hold one token's heads); rows over 1 KiB are long runs the prefetchers
-  // follow alone.
-  const std::int64_t bytes = hd * std::int64_t(sizeof(Storage<D>));
-  const std::int64_t ahead = prefetch_distance(tile);
-  if (bytes <= 1024)
-    for (int i = 0; i < count; ++i) {
-      const char* next = reinterpret_cast<const char*>(x[i]) + ahead;
-      for (std::int64_t b = 0; b < bytes; b += 64) I::prefetch(next + b);
-    }
   // A partial group (a token with fewer heads than a group, or its last ones) takes the fewest
   // accumulators that hold it, the last row standing in for the missing ones (summed one row at a
   // time, a tile of 4 heads took 5% longer on AVX2).
@@ -422,8 +414,14 @@ template <class I, DType D, class L, class O, NormKind K, bool kExact>
   using Pass1 = typename SumSquaresOf<I, D>::type;
   constexpr int kGroup = kGroupRows<Pass1>;
   float ss[kGroup] = {}, scales[kGroup];
+  // Prefetches go to an address along the walk through memory (prefetch_distance), not a row
+  // ahead in the tile (token-major calls hold one token's heads); rows over 1 KiB are long runs
+  // the prefetchers follow alone.
+  const std::int64_t row_bytes = hd * std::int64_t(sizeof(Storage<D>));
+  const std::int64_t prefetch_bytes = row_bytes <= 1024 ? row_bytes : 0;
   for (std::int64_t t = 0; t < run.tokens; ++t) {
     const ForwardTile tile = run.token(t);
+    const std::int64_t ahead = prefetch_distance(tile);
     for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
       const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
       sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
@@ -432,6 +430,8 @@ template <class I, DType D, class L, class O, NormKind K, bool kExact>
         const std::int64_t n = n0 + i;
         const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
         auto* y = static_cast<Storage<D>*>(tile.y_row(n));
+        for (std::int64_t b = 0; b < prefetch_bytes; b += 64)
+          I::prefetch(reinterpret_cast<const char*>(x) + ahead + b);
         folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
         const float scale = scales[i];
         if constexpr (K != NormKind::other) {
