@@ -60,16 +60,6 @@ std::vector<float> weight_values(const std::string& name, const ConstTensorView&
   return out;
 }
 
-// Every value has 16 zero low bits: it is a bf16 value, exactly.
-bool bf16_exact(const std::vector<float>& values) {
-  for (const float v : values) {
-    std::uint32_t bits;
-    std::memcpy(&bits, &v, sizeof bits);
-    if (bits & 0xffffu) return false;
-  }
-  return true;
-}
-
 int64_t load_slot(const ConstTensorView& s, int64_t t) {
   const int64_t off = t * s.strides[0];
   return s.dtype == DType::i32 ? int64_t(static_cast<const std::int32_t*>(s.data)[off])
@@ -115,11 +105,10 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
       detail::require_disjoint_views(q, "q", *w, name);
       detail::require_disjoint_views(k, "k", *w, name);
     }
-    // bf16 x, bf16 tables and a bf16-exact weight: x·C·w has at most 8 + 8 + 8 significant bits.
-    const bool bf16_tables =
-        dtype == DType::bf16 && detail::table_values(plan) == kernels::TableValues::bf16;
-    q_norm = {q_weight.data(), norm->eps, bf16_tables && bf16_exact(q_weight)};
-    k_norm = {k_weight.data(), norm->eps, bf16_tables && bf16_exact(k_weight)};
+    // 16-bit rows sum their products in one fma (kernels::NormParams::single_fma).
+    const bool single_fma = dtype != DType::f32;
+    q_norm = {q_weight.data(), norm->eps, single_fma};
+    k_norm = {k_weight.data(), norm->eps, single_fma};
   }
 
   int64_t slots = 0;

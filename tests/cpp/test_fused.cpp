@@ -161,7 +161,7 @@ const FusedCase kCases[] = {{64, 64, 4, 2, true},
                             {64, 64, 12, 5, false},
                             {128, 128, 6, 1, true}};
 
-// bf16 tables with q's bf16 weight (not Gemma's 1 + w) take the exact-product epilogue for q.
+// 16-bit rows sum their products in one fma (NormParams::single_fma), fp32 rows compensated.
 TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
   std::mt19937_64 rng(21);
   for (const FusedCase& fc : kCases)
@@ -233,9 +233,9 @@ TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
 
 // NaN, infinities, values whose products overflow, zero rows, NaN and huge weights, huge table
 // entries: every ISA still gives the scalar kernel's bits (the SIMD paths skip the epilogue's
-// guard and redo a chunk with a non-finite result lane by lane; this reaches the redo). bf16
-// tables and bf16 weights take the exact-product epilogue, where an unnormalised product that
-// overflows (x·3e38) must fall back to the normalised form. With eps = 0 a zero row has an
+// guard and redo a chunk with a non-finite result lane by lane; this reaches the redo). 16-bit
+// rows take the single-fma sum, where an unnormalised product that overflows (x·3e38) must fall
+// back to the normalised form. With eps = 0 a zero row has an
 // infinite scale and a row of 1e-22 values a subnormal sum of squares; without the NaN weight,
 // q's rows may take the path without the per-chunk test.
 TEST(QkNormRope, SpecialValuesMatchScalarOnEveryIsa) {

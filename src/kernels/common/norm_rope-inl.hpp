@@ -316,7 +316,7 @@ void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::i
 // One row of a half or interleave rotation of whole chunks, a row under the finite bound:
 // r·(xa·c + xb·s) as combine_lane(_exact_product) forms it, without combine_lane's guard for a
 // non-finite xa·c (there is none), scaled once; lanes past rotary_dim (x·r)·w.
-template <class I, class O, NormKind K, bool kExact>
+template <class I, class O, NormKind K, bool kSingleFma>
 ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const float* cw,
                             const float* sw, const float* weights, std::int64_t rd, std::int64_t hd,
                             typename I::F r) {
@@ -325,8 +325,8 @@ ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const floa
     Chunk out;
     for (int i = 0; i < O::kVectors; ++i) {
       const auto c = I::loadu(cw + j + i * I::kLanes), s = I::loadu(sw + j + i * I::kLanes);
-      out.v[i] = I::mul(kExact ? I::combine_exact_product(a.v[i], c, b.v[i], s)
-                               : I::combine_unguarded(a.v[i], c, b.v[i], s),
+      out.v[i] = I::mul(kSingleFma ? I::combine_exact_product(a.v[i], c, b.v[i], s)
+                                   : I::combine_unguarded(a.v[i], c, b.v[i], s),
                         r);
     }
     return out;
@@ -406,7 +406,7 @@ template <class I, DType D, class L, class O>
   store_norm_row_lanes<D>(r, buffers.row, scale, cw, sw, norm, y);
 }
 
-template <class I, DType D, class L, class O, NormKind K, bool kExact>
+template <class I, DType D, class L, class O, NormKind K, bool kSingleFma>
 [[gnu::noinline]] void norm_rows(const RotationData& r, const ForwardTile& run,
                                  const NormParams& norm, FoldedRow<I, O>& folded,
                                  const NormBuffers& buffers) {
@@ -436,8 +436,8 @@ template <class I, DType D, class L, class O, NormKind K, bool kExact>
         const float scale = scales[i];
         if constexpr (K != NormKind::other) {
           if (ss[i] <= folded.finite_sum_squares_max && scale <= FLT_MAX) {
-            rotate_row<I, O, K, kExact>(x, y, folded.cw, folded.sw, folded.weights, rd, hd,
-                                        I::set1(scale));
+            rotate_row<I, O, K, kSingleFma>(x, y, folded.cw, folded.sw, folded.weights, rd, hd,
+                                            I::set1(scale));
             continue;
           }
         }
@@ -453,8 +453,8 @@ void norm_rows_in_order(const RotationData& r, const ForwardTile& tile, const No
                         NormKind kind, const NormBuffers& buffers) {
   const float* weights = O::weights_in_table_order(norm.weight, r.head_dim, buffers.weights);
   FoldedRow<I, O> folded(buffers.cw_sw, buffers.sw_offset, weights, r, kind, true);
-  if constexpr (D == DType::bf16) {  // only bf16 x has exact products (NormParams)
-    if (norm.exact_products) {
+  if constexpr (D != DType::f32) {  // only 16-bit rows read single_fma (NormParams)
+    if (norm.single_fma) {
       if (kind == NormKind::half)
         return norm_rows<I, D, L, O, NormKind::half, true>(r, tile, norm, folded, buffers);
       return norm_rows<I, D, L, O, NormKind::interleave, true>(r, tile, norm, folded, buffers);
