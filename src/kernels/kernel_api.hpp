@@ -58,12 +58,16 @@ struct ForwardTile {
   }
 };
 
-// Permute kernels: a 16-bit x times a 16-bit table value is exact in fp32 (at most 11 + 11
-// significant bits), so the epilogue is one fma (combine_lane_exact_product: the correctly
-// rounded sum) instead of the compensated combine_lane.
-inline bool exact_products(const ForwardTile& tile) {
-  return (tile.dtype == DType::bf16 || tile.dtype == DType::f16) &&
-         tile.table_values != TableValues::fp32;
+// Forward epilogues (permute, dense, QK-norm) on 16-bit x: one fma (combine_lane_one_fma) instead
+// of the compensated combine_lane. With 16-bit tables x·c is exact in fp32 (at most 11 + 11
+// significant bits) and the fma is the correctly rounded sum. With fp32 tables it leaves out the
+// rounding error of x·c, at most 2^-24·|x·c|: 2^13 (fp16) to 2^16 (bf16) times below the output's
+// own 16-bit rounding unless the two products cancel that far, and the 16-bit input carries a
+// relative error as much larger. The compensated sum cost the seed's bf16 tensor with fp32 tables
+// 1.13-1.28x the time (AVX2, in place, 1 and 2 threads). fp32 x keeps it. One rule for every path,
+// so a signed permutation run as a matrix gives the permute path's bits.
+inline bool single_fma_epilogue(const ForwardTile& tile) {
+  return tile.dtype == DType::bf16 || tile.dtype == DType::f16;
 }
 
 // bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the exact
@@ -97,7 +101,7 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 // into the table row (common/norm_fold-inl.hpp: C'_j = C_j·w_a(j), S'_j = S_j·w_b(j), once per
 // row of tables, not per head). Rotated lane j (j < rotary_dim; table rows in norm_table_layout's
 // order, signs folded) is y_j = r · (x_a(j)·C'_j + x_b(j)·S'_j): the sum of the raw lanes'
-// products, formed with one fma (combine_lane_exact_product) when NormParams::single_fma, else
+// products, formed with one fma (combine_lane_one_fma) when NormParams::single_fma, else
 // compensated as ForwardFn's epilogue forms it (combine_lane), then scaled once. Where that is not
 // finite (r is 0 or infinite, a product overflows, an input is inf or NaN) the lane is the
 // normalised form instead, combine_lane(x_a·r, C'_j, x_b·r, S'_j), so no overflow of an

@@ -20,8 +20,8 @@
 namespace rome::testing {
 namespace {
 
-// x dtype and table dtype: 16-bit tables with 16-bit x take the exact-product epilogue
-// (kernel_api.hpp's exact_products), the others the compensated one.
+// x dtype and table dtype: 16-bit x takes the one-fma epilogue (kernel_api.hpp's
+// single_fma_epilogue; exact products with 16-bit tables), fp32 x the compensated one.
 class EdgeValues : public ::testing::TestWithParam<std::tuple<Isa, DType, DType>> {};
 
 TEST_P(EdgeValues, MatchReference) {
@@ -68,7 +68,7 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, EdgeValues,
                                             ::testing::Values(DType::f32, DType::f16,
                                                               DType::bf16)));
 
-// The exact-product epilogue and the bf16 narrowing without a NaN case (bf16 x, bf16 tables),
+// The one-fma epilogue (16-bit x) and the bf16 narrowing without a NaN case (bf16 x, bf16 tables),
 // bit for bit against the scalar kernel on every ISA, with NaNs (signalling, payloads, both
 // signs) in x and in either table, infinities, inf·0, subnormal products, cancelling terms and
 // overflow. One NaN source per output lane, so no result depends on which NaN an fma keeps. An
@@ -81,7 +81,7 @@ struct SpecialCase {
   bool deinterleaved = false;  // A moves x's lane l to lane l / 2, odd lanes after the evens
 };
 
-class ExactProductEpilogue : public ::testing::TestWithParam<std::tuple<Isa, int>> {};
+class OneFmaEpilogue : public ::testing::TestWithParam<std::tuple<Isa, int>> {};
 
 std::vector<SpecialCase> special_cases() {
   std::vector<SpecialCase> cases;
@@ -125,7 +125,7 @@ std::uint32_t nan_bits(DType d, int which) {
   }
 }
 
-TEST_P(ExactProductEpilogue, SpecialValuesMatchScalarBitForBit) {
+TEST_P(OneFmaEpilogue, SpecialValuesMatchScalarBitForBit) {
   const auto [isa, index] = GetParam();
   const SpecialCase c = special_cases()[std::size_t(index)];
   const std::int64_t rd = c.rotation.rotary_dim(), rows = 8;
@@ -182,7 +182,7 @@ TEST_P(ExactProductEpilogue, SpecialValuesMatchScalarBitForBit) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, ExactProductEpilogue,
+INSTANTIATE_TEST_SUITE_P(AllIsas, OneFmaEpilogue,
                          ::testing::Combine(::testing::ValuesIn(isas_under_test()),
                                             ::testing::Range(0, int(special_cases().size()))),
                          [](const auto& info) {

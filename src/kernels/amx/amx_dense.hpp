@@ -171,8 +171,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
   const std::int64_t xs = (rd + kW - 1) / kW * kW;  // fp32 row stride (split staging)
   const std::int64_t os = (std::max(out_lanes, xs) + kW - 1) / kW * kW;
   const std::size_t out_stride = std::size_t(os) * sizeof(float);
-  // A 16-bit x times a 16-bit table value is exact in fp32 (kernel_api.hpp): one fma.
-  const bool exact = !dense_a && exact_products(tile);
+  const bool one_fma = single_fma_epilogue(tile);  // kernel_api.hpp
   // Two buffers of each: one group's products run while the previous group is finished.
   const std::size_t group_bytes = sizeof(float) * std::size_t(kRows * (xs + 2 * os)) +
                                   2 * sizeof(std::uint16_t) * std::size_t(kRows * ks);
@@ -252,7 +251,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
                                          : _mm512_load_ps(b.X + row * xs + j);
       const __m512 xb = _mm512_load_ps(b.XB + row * os + j);
       const __m512 cj = _mm512_load_ps(c + j), sj = _mm512_load_ps(s + j);
-      return exact ? combine_exact_product(xa, cj, xb, sj) : combine(xa, cj, xb, sj);
+      return one_fma ? combine_one_fma(xa, cj, xb, sj) : combine(xa, cj, xb, sj);
     };
     std::int64_t j = 0;
     for (; j + 2 * kW <= rd; j += 2 * kW) {

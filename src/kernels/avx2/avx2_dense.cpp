@@ -26,6 +26,9 @@ struct Avx2Vectors {
   static ROME_INLINE F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static ROME_INLINE void store(float* p, F v) { _mm256_storeu_ps(p, v); }
   static ROME_INLINE F combine(F xa, F c, F xb, F s) { return avx2::combine(xa, c, xb, s); }
+  static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
+    return avx2::combine_one_fma(xa, c, xb, s);
+  }
   static ROME_INLINE F combine_unguarded(F xa, F c, F xb, F s) {
     return avx2::combine_unguarded(xa, c, xb, s);
   }

@@ -171,9 +171,9 @@ ROME_INLINE __m256 combine(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), e);
 }
 
-// xa·c + xb·s when xa·c is exact in fp32 (ForwardTile::exact_products), operation for operation
-// as combine_lane_exact_product.
-ROME_INLINE __m256 combine_exact_product(__m256 xa, __m256 c, __m256 xb, __m256 s) {
+// xa·c + xb·s in one fma (kernel_api.hpp: single_fma_epilogue), operation for operation as
+// combine_lane_one_fma.
+ROME_INLINE __m256 combine_one_fma(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   return _mm256_fmadd_ps(xb, s, _mm256_mul_ps(xa, c));
 }
 

@@ -52,8 +52,8 @@ struct Avx2Norm : OneRowPer8Lanes {
   static ROME_INLINE F combine_unguarded(F xa, F c, F xb, F s) {
     return avx2::combine_unguarded(xa, c, xb, s);
   }
-  static ROME_INLINE F combine_exact_product(F xa, F c, F xb, F s) {
-    return avx2::combine_exact_product(xa, c, xb, s);
+  static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
+    return avx2::combine_one_fma(xa, c, xb, s);
   }
 
   template <DType D>

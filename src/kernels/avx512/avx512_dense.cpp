@@ -38,6 +38,9 @@ struct Avx512Vectors {
   static ROME_INLINE F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static ROME_INLINE void store(float* p, F v) { _mm512_storeu_ps(p, v); }
   static ROME_INLINE F combine(F xa, F c, F xb, F s) { return avx512::combine(xa, c, xb, s); }
+  static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
+    return avx512::combine_one_fma(xa, c, xb, s);
+  }
 };
 
 // R rows of c, 32 columns at a time: the accumulators stay in registers while b's row i is
@@ -194,8 +197,9 @@ void forward_dense_bf16_dot(const RotationData& r, const ForwardTile& tile) {
         const __m512 xa_j = dense_a   ? _mm512_loadu_ps(xa + j)
                             : n == kW ? Bf16::load(x + j)
                                       : Bf16::load(x + j, n);
-        const __m512 v =
-            combine(xa_j, _mm512_loadu_ps(c + j), _mm512_loadu_ps(xb + j), _mm512_loadu_ps(s + j));
+        // bf16 x: one fma (kernel_api.hpp: single_fma_epilogue).
+        const __m512 v = combine_one_fma(xa_j, _mm512_loadu_ps(c + j), _mm512_loadu_ps(xb + j),
+                                         _mm512_loadu_ps(s + j));
         if (n == kW)
           Bf16::store(y + j, v);
         else

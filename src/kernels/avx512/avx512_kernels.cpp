@@ -80,8 +80,8 @@ struct Avx512 {
   static ROME_INLINE F load(const float* p) { return _mm512_load_ps(p); }
   static ROME_INLINE void store(float* p, F v) { _mm512_store_ps(p, v); }
   static ROME_INLINE F combine(F xa, F c, F xb, F s) { return avx512::combine(xa, c, xb, s); }
-  static ROME_INLINE F combine_exact_product(F xa, F c, F xb, F s) {
-    return avx512::combine_exact_product(xa, c, xb, s);
+  static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
+    return avx512::combine_one_fma(xa, c, xb, s);
   }
   static ROME_INLINE F swap_pairs(F x) { return _mm512_permute_ps(x, 0xb1); }
   static ROME_INLINE F permute(F x, Index idx, Mask mask) {
@@ -223,13 +223,13 @@ ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf so
       for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
     }
     if constexpr (L::kPairs) {
-      const bool exact_products = exact<L>(w);
+      const bool single_fma = one_fma<L>(w);
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) {
         const Sources ab = sources(in, row.x, v);
         const __m512 c = _mm512_load_ps(row.C + kW * v), s = _mm512_load_ps(row.S + kW * v);
-        out[v] = exact_products ? avx512::combine_exact_product(ab.a, c, ab.b, s)
-                                : avx512::combine_unguarded(ab.a, c, ab.b, s);
+        out[v] = single_fma ? avx512::combine_one_fma(ab.a, c, ab.b, s)
+                            : avx512::combine_unguarded(ab.a, c, ab.b, s);
       }
       const __mmask16 nan_or_subnormal = any_of_class<VC, 0x81 | 0x20>(out);
       if (__builtin_expect(_kortestz_mask16_u8(nan_or_subnormal, nan_or_subnormal), 1))

@@ -175,9 +175,9 @@ ROME_INLINE __m512 combine_unguarded(__m512 xa, __m512 c, __m512 xb, __m512 s) {
   return _mm512_add_ps(_mm512_fmadd_ps(xb, s, p), _mm512_fmsub_ps(xa, c, p));
 }
 
-// xa·c + xb·s when xa·c is exact in fp32 (ForwardTile::exact_products), operation for operation
-// as combine_lane_exact_product.
-ROME_INLINE __m512 combine_exact_product(__m512 xa, __m512 c, __m512 xb, __m512 s) {
+// xa·c + xb·s in one fma (kernel_api.hpp: single_fma_epilogue), operation for operation as
+// combine_lane_one_fma.
+ROME_INLINE __m512 combine_one_fma(__m512 xa, __m512 c, __m512 xb, __m512 s) {
   return _mm512_fmadd_ps(xb, s, _mm512_mul_ps(xa, c));
 }
 

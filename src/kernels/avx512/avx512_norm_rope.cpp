@@ -61,8 +61,8 @@ struct Avx512Norm {
   static ROME_INLINE F combine_unguarded(F xa, F c, F xb, F s) {
     return avx512::combine_unguarded(xa, c, xb, s);
   }
-  static ROME_INLINE F combine_exact_product(F xa, F c, F xb, F s) {
-    return avx512::combine_exact_product(xa, c, xb, s);
+  static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
+    return avx512::combine_one_fma(xa, c, xb, s);
   }
 
   // Lanes [j, j + n) of two 16-bit rows (n <= 8; zeros past n), the first row's in lanes 0-7

@@ -17,9 +17,10 @@ inline float combine_lane(float xa, float c, float xb, float s) {
   return std::fma(xb, s, p) + e;
 }
 
-// xa·c + xb·s when xa·c is exact in fp32 (a 16-bit x times a 16-bit table value: at most 11 + 11
-// significant bits): one fma, the correctly rounded sum, with nothing to add back.
-inline float combine_lane_exact_product(float xa, float c, float xb, float s) {
+// xa·c + xb·s in one fma, without the rounding error of xa·c: the epilogue of 16-bit x
+// (kernel_api.hpp: single_fma_epilogue). Where xa·c is exact in fp32 (a 16-bit x times a 16-bit
+// table value: at most 11 + 11 significant bits) this is the correctly rounded sum.
+inline float combine_lane_one_fma(float xa, float c, float xb, float s) {
   return std::fma(xb, s, xa * c);
 }
 

@@ -10,13 +10,15 @@
 // product into a second scratch row.
 //
 // Every output lane is one fma per input lane of its diagonal block, in ascending order from
-// +0, and the epilogue is combine_lane (combine-inl.hpp): bit for bit the scalar kernel on every
-// ISA, whatever R or the panel width.
+// +0, and the epilogue is combine_lane, or combine_lane_one_fma for 16-bit x (combine-inl.hpp,
+// kernel_api.hpp's single_fma_epilogue): bit for bit the scalar kernel on every ISA, whatever R or
+// the panel width.
 //
 // The traits type V provides: F (a vector of kLanes floats); kDenseRows (R: R·2 accumulators +
 // 2 panel vectors + 1 broadcast must fit the register file); Lanes<D> (load/store of storage
 // type D, whole or the first n lanes); zero(), load(const float*), broadcast(const float*),
-// fma(a, b, c) = a·b + c rounded once, store(float*, F) (unaligned forms), combine(xa, c, xb, s);
+// fma(a, b, c) = a·b + c rounded once, store(float*, F) (unaligned forms), combine(xa, c, xb, s),
+// combine_one_fma(xa, c, xb, s);
 // optionally combine_unguarded, any_nan(a, b) and Lanes<D>::store_pair_not_nan, which let the
 // epilogue take 2·kLanes lanes at a time (kStoresPairs).
 #pragma once
@@ -147,6 +149,7 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
   for (int row = 0; row < R; ++row)
     for (std::int64_t j = rd; j < stride; ++j) XB[row * stride + j] = XA[row * stride + j] = 0.0f;
   const bool pass = tile.copy_passthrough && hd > rd;
+  const bool one_fma = single_fma_epilogue(tile);
   const std::int64_t row_bytes = rd * std::int64_t(sizeof(T));
   const std::int64_t steps = panel_count(packs.b, r.dense_blocks) * (dense_a ? 2 : 1);
   for (std::int64_t first = 0; first < tile.count; first += R) {
@@ -170,17 +173,20 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
       const float* c = tile.cos_row(first + row);
       const float* s = tile.sin_row(first + row);
       T* y = static_cast<T*>(tile.y_row(first + row));
-      // Lanes [k, k + L) of the epilogue, with combine's guard.
+      // Lanes [k, k + L) of the epilogue, with combine's guard (one fma needs none).
       auto guarded = [&](std::int64_t k) ROME_INLINE_LAMBDA {
-        return V::combine(V::load(xa + k), V::load(c + k), V::load(xb + k), V::load(s + k));
+        const auto a = V::load(xa + k), ck = V::load(c + k), b = V::load(xb + k);
+        return one_fma ? V::combine_one_fma(a, ck, b, V::load(s + k))
+                       : V::combine(a, ck, b, V::load(s + k));
       };
       std::int64_t j = 0;
       if constexpr (kStoresPairs<V, D>) {
         // Two vectors at a time without the guard and the NaN-aware narrowing: where neither
         // result has a NaN lane, the guard changed nothing and neither would the NaN case.
         auto unguarded = [&](std::int64_t k) ROME_INLINE_LAMBDA {
-          return V::combine_unguarded(V::load(xa + k), V::load(c + k), V::load(xb + k),
-                                      V::load(s + k));
+          const auto a = V::load(xa + k), ck = V::load(c + k), b = V::load(xb + k);
+          return one_fma ? V::combine_one_fma(a, ck, b, V::load(s + k))
+                         : V::combine_unguarded(a, ck, b, V::load(s + k));
         };
         for (; j + 2 * L <= rd; j += 2 * L) {
           const auto v0 = unguarded(j), v1 = unguarded(j + L);

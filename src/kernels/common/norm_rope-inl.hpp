@@ -26,7 +26,7 @@
 // so no permute, vpmovzx or pack); its `takes(r, kind)` says which rotations it runs.
 //
 // Traits I: F (kLanes fp32 lanes) with loadu, storeu, set1, add, sub, mul, fma, max, abs,
-// any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and combine_exact_product
+// any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and combine_one_fma
 // (as avx2_lanes.hpp / avx512_lanes.hpp); Count and lanes(n) (the first n lanes, n > 0),
 // load_floats(p, Count), prefetch(p); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows, j,
 // n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8),
@@ -325,7 +325,7 @@ ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const floa
     Chunk out;
     for (int i = 0; i < O::kVectors; ++i) {
       const auto c = I::loadu(cw + j + i * I::kLanes), s = I::loadu(sw + j + i * I::kLanes);
-      out.v[i] = I::mul(kSingleFma ? I::combine_exact_product(a.v[i], c, b.v[i], s)
+      out.v[i] = I::mul(kSingleFma ? I::combine_one_fma(a.v[i], c, b.v[i], s)
                                    : I::combine_unguarded(a.v[i], c, b.v[i], s),
                         r);
     }

@@ -13,14 +13,14 @@
 //             ISA's permute steps of the plan (the ISA files add their own kinds for it).
 // Here are the per-call setup, the classification, the per-thread cache and the row loops of
 // any rotary dim; an ISA file adds the loops only it has and dispatches. The epilogue is the
-// ISA's combine (combine_lane operation for operation) or its one-fma form where xa·c is exact
-// (kernel_api.hpp's exact_products), one rounding to the storage type: every bit matches the
+// ISA's combine (combine_lane operation for operation) or, for 16-bit x, its one-fma form
+// (kernel_api.hpp's single_fma_epilogue), one rounding to the storage type: every bit matches the
 // scalar kernel. Non-temporal stores only when the core asks and the row is 64-byte aligned.
 //
 // Traits I: F (kLanes fp32 lanes); Count (lanes of a vector: a count or a mask) with kAll,
 // lanes(n) (the first n) and bits(Count); Index / Mask (a vector's permute index and the lanes
 // it fills) with index(const int32_t*) and mask(uint32_t); load / store (aligned fp32);
-// combine, combine_exact_product, epilogue_pair (rows_xor_move only); swap_pairs, permute(x, Index,
+// combine, combine_one_fma, epilogue_pair (rows_xor_move only); swap_pairs, permute(x, Index,
 // Mask); GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch, copy_bytes,
 // fence, equal_bytes. Storage-type lanes L: T, load / store (whole or Count lanes), stream.
 #pragma once
@@ -72,7 +72,7 @@ struct Work : P {
   typename I::Count tail = I::kAll;  // lanes of the last vector
   bool pass = false;                 // copy lanes [rd, hd)
   bool stream = false;               // non-temporal stores for 64-byte aligned rows
-  bool exact_products = false;       // kernel_api.hpp: exact_products
+  bool one_fma = false;              // kernel_api.hpp: single_fma_epilogue
   float* X = nullptr;                // the row in fp32 (general rows), or ISA row copies
 };
 
@@ -117,21 +117,21 @@ ROME_INLINE void pass_through(const W& w, const typename L::T* x, typename L::T*
                      w.stream);
 }
 
-// Whether xa·c is exact: AVX2's row types fix it per instantiation; AVX-512 branches on the tile
-// (one more instantiation of every row loop would double that file's build time).
+// Whether the epilogue is one fma: AVX2's row types fix it per instantiation; AVX-512 branches on
+// the tile (one more instantiation of every row loop would double that file's build time).
 template <class L, class W>
-ROME_INLINE bool exact(const W& w) {
-  if constexpr (requires { L::kExactProducts; })
-    return L::kExactProducts;
+ROME_INLINE bool one_fma(const W& w) {
+  if constexpr (requires { L::kOneFma; })
+    return L::kOneFma;
   else
-    return w.exact_products;
+    return w.one_fma;
 }
 
 template <class L, class W, class F>
 ROME_INLINE F combine(const W& w, F xa, F xb, const Row<L>& row, std::int64_t v) {
   using I = typename W::I;
   const F c = I::load(row.C + I::kLanes * v), s = I::load(row.S + I::kLanes * v);
-  return exact<L>(w) ? I::combine_exact_product(xa, c, xb, s) : I::combine(xa, c, xb, s);
+  return one_fma<L>(w) ? I::combine_one_fma(xa, c, xb, s) : I::combine(xa, c, xb, s);
 }
 
 template <class L, class W>
@@ -200,7 +200,7 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
         const auto cv = I::load(row.C + kW * v), sv = I::load(row.S + kW * v);
         const auto cu = I::load(row.C + kW * u), su = I::load(row.S + kW * u);
         decltype(I::load(row.C)) out_v, out_u;
-        I::epilogue_pair(exact<L>(w), a, cv, b, sv, b, cu, a, su, out_v, out_u);
+        I::epilogue_pair(one_fma<L>(w), a, cv, b, sv, b, cu, a, su, out_v, out_u);
         put<L>(w, stream, row.y, v, out_v);
         put<L>(w, stream, row.y, u, out_u);
       }
@@ -381,7 +381,7 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
   Work<P> w = work_for<P>(r);
   w.pass = tile.copy_passthrough && w.hd > w.rd;
   w.stream = tile.stream;
-  w.exact_products = exact_products(tile);
+  w.one_fma = single_fma_epilogue(tile);
   constexpr std::int64_t kStackFloats = 256;
   alignas(64) float stack[kStackFloats];
   const std::int64_t floats = (w.V + I::kPadVectors) * I::kLanes;
