@@ -105,10 +105,8 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
       detail::require_disjoint_views(q, "q", *w, name);
       detail::require_disjoint_views(k, "k", *w, name);
     }
-    // 16-bit rows sum their products in one fma (kernels::NormParams::single_fma).
-    const bool single_fma = dtype != DType::f32;
-    q_norm = {q_weight.data(), norm->eps, single_fma};
-    k_norm = {k_weight.data(), norm->eps, single_fma};
+    q_norm = {q_weight.data(), norm->eps};
+    k_norm = {k_weight.data(), norm->eps};
   }
 
   int64_t slots = 0;

@@ -64,10 +64,14 @@ struct ForwardTile {
 // rounding error of x·c, at most 2^-24·|x·c|: 2^13 (fp16) to 2^16 (bf16) times below the output's
 // own 16-bit rounding unless the two products cancel that far, and the 16-bit input carries a
 // relative error as much larger. The compensated sum cost the seed's bf16 tensor with fp32 tables
-// 1.13-1.28x the time (AVX2, in place, 1 and 2 threads). fp32 x keeps it. One rule for every path,
-// so a signed permutation run as a matrix gives the permute path's bits.
+// 1.13-1.28x the time, and QK-norm + RoPE 1.08-1.11x (AVX2, from DRAM, 1 and 2 threads). fp32 x
+// keeps it. One rule for every path, so a signed permutation run as a matrix gives the permute
+// path's bits.
+constexpr bool single_fma_epilogue(DType x) {
+  return x == DType::bf16 || x == DType::f16;
+}
 inline bool single_fma_epilogue(const ForwardTile& tile) {
-  return tile.dtype == DType::bf16 || tile.dtype == DType::f16;
+  return single_fma_epilogue(tile.dtype);
 }
 
 // bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the exact
@@ -101,8 +105,8 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 // into the table row (common/norm_fold-inl.hpp: C'_j = C_j·w_a(j), S'_j = S_j·w_b(j), once per
 // row of tables, not per head). Rotated lane j (j < rotary_dim; table rows in norm_table_layout's
 // order, signs folded) is y_j = r · (x_a(j)·C'_j + x_b(j)·S'_j): the sum of the raw lanes'
-// products, formed with one fma (combine_lane_one_fma) when NormParams::single_fma, else
-// compensated as ForwardFn's epilogue forms it (combine_lane), then scaled once. Where that is not
+// products, formed as ForwardFn's epilogue forms it (single_fma_epilogue: combine_lane_one_fma,
+// else combine_lane), then scaled once. Where that is not
 // finite (r is 0 or infinite, a product overflows, an input is inf or NaN) the lane is the
 // normalised form instead, combine_lane(x_a·r, C'_j, x_b·r, S'_j), so no overflow of an
 // unnormalised product reaches the output. Lanes past rotary_dim are (x·r)·w. Each lane is rounded
@@ -111,13 +115,6 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 struct NormParams {
   const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
   float eps;  // finite and >= 0 (the core checks): the SIMD kernels' overflow bounds need it
-  // The sum of the two products in one fma, without adding back the rounding error of x·C'. For
-  // 16-bit rows (the only ones that read it) that error, at most 2^-24·|x·C'|, is 2^13 (fp16) to
-  // 2^16 (bf16) times below the lane's own 16-bit rounding unless the two products cancel that
-  // far, and the 16-bit input carries a relative error as much larger. It spares two of every
-  // eleven vector operations of pass 2 (1.08-1.11x faster from DRAM, Qwen3 shapes, bf16 and fp16,
-  // AVX2). With bf16 x, bf16 tables and bf16-exact weights, x·C' is exact anyway.
-  bool single_fma;
 };
 using NormForwardFn = void (*)(const detail::RotationData& rotation, const ForwardTile& tile,
                                const NormParams& norm);

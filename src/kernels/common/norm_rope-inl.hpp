@@ -314,7 +314,7 @@ void sum_squares_rows(const ForwardTile& tile, std::int64_t n, int count, std::i
 // Pass 2
 
 // One row of a half or interleave rotation of whole chunks, a row under the finite bound:
-// r·(xa·c + xb·s) as combine_lane(_exact_product) forms it, without combine_lane's guard for a
+// r·(xa·c + xb·s) as combine_lane(_one_fma) forms it, without combine_lane's guard for a
 // non-finite xa·c (there is none), scaled once; lanes past rotary_dim (x·r)·w.
 template <class I, class O, NormKind K, bool kSingleFma>
 ROME_INLINE void rotate_row(const typename O::T* x, typename O::T* y, const float* cw,
@@ -453,16 +453,10 @@ void norm_rows_in_order(const RotationData& r, const ForwardTile& tile, const No
                         NormKind kind, const NormBuffers& buffers) {
   const float* weights = O::weights_in_table_order(norm.weight, r.head_dim, buffers.weights);
   FoldedRow<I, O> folded(buffers.cw_sw, buffers.sw_offset, weights, r, kind, true);
-  if constexpr (D != DType::f32) {  // only 16-bit rows read single_fma (NormParams)
-    if (norm.single_fma) {
-      if (kind == NormKind::half)
-        return norm_rows<I, D, L, O, NormKind::half, true>(r, tile, norm, folded, buffers);
-      return norm_rows<I, D, L, O, NormKind::interleave, true>(r, tile, norm, folded, buffers);
-    }
-  }
+  constexpr bool kOneFma = single_fma_epilogue(D);
   if (kind == NormKind::half)
-    return norm_rows<I, D, L, O, NormKind::half, false>(r, tile, norm, folded, buffers);
-  return norm_rows<I, D, L, O, NormKind::interleave, false>(r, tile, norm, folded, buffers);
+    return norm_rows<I, D, L, O, NormKind::half, kOneFma>(r, tile, norm, folded, buffers);
+  return norm_rows<I, D, L, O, NormKind::interleave, kOneFma>(r, tile, norm, folded, buffers);
 }
 
 template <class I>
