@@ -20,6 +20,9 @@
 //                       (default: direct tables [S, D], broadcast over the leading axes)
 //   --shuffle-positions with --cache: S distinct positions in random order instead (every
 //                       cache row a random read, as in the layout study's positions rows)
+//   --table-free        with --cache: the same positions, but cos and sin computed in the call
+//                       from rotary_dim / 2 frequencies 10000^(-2i/rotary_dim) (Tables'
+//                       table-free form); the copy floor then reads no table bytes
 //   --dtype bf16|f16|f32          x's dtype (default bf16)
 //   --table-dtype f32|bf16|f16    table dtype (default f32)
 //   --threads N         threads for RoME and for the copy (default: RoME's default)
@@ -203,7 +206,8 @@ int usage(const char* why) {
       "[--blocks a,b,..] [--cache P [--shuffle-positions]] [--dtype bf16] [--table-dtype f32] "
       "[--threads N] "
       "[--tile-tokens T] [--min-parallel-bytes B] "
-      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--qk-norm [--packed-qkv]] "
+      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--table-free] [--qk-norm "
+      "[--packed-qkv]] "
       "[--force-dense] "
       "[--matrix-dtype f32|bf16] [--isa NAME]\n",
       why);
@@ -220,7 +224,7 @@ int main(int argc, char** argv) {
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0, min_parallel_bytes = -1;
   bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false;
-  bool packed_qkv = false;
+  bool packed_qkv = false, table_free = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -264,6 +268,8 @@ int main(int argc, char** argv) {
         shuffle = true;
       else if (a == "--qk-norm")
         qk_norm = in_place = true;
+      else if (a == "--table-free")
+        table_free = true;
       else if (a == "--packed-qkv")
         packed_qkv = true;
       else if (a == "--force-dense")
@@ -284,6 +290,7 @@ int main(int argc, char** argv) {
   if (qk_norm && (q_shape.size() != 3 || k_shape.size() != 3 || k_shape[0] != q_shape[0]))
     return usage("--qk-norm needs --q T,Hq,D and --k T,Hk,D");
   if (packed_qkv && !qk_norm) return usage("--packed-qkv needs --qk-norm");
+  if (table_free && cache <= 0) return usage("--table-free needs --cache P (the positions)");
   repeats = std::max(1, repeats);
   if (threads <= 0) threads = rome::default_num_threads();
 
@@ -374,6 +381,11 @@ int main(int argc, char** argv) {
       pshape[qk_norm ? 0 : pshape.size() - 1] = seq;
       tables.positions = view_of<const void*>(positions.data(), DType::i64, pshape);
     }
+    if (table_free) {
+      tables.cos = tables.sin = {};
+      for (std::int64_t i = 0; i < rd / 2; ++i)
+        tables.frequencies.push_back(std::pow(10000.0, -2.0 * double(i) / double(rd)));
+    }
     std::vector<float> q_weight(std::size_t(dim), 1.25f), k_weight(std::size_t(dim), 0.75f);
     rome::QkNorm norm;
     norm.q_weight = view_of<const void*>(q_weight.data(), DType::f32, {dim});
@@ -423,8 +435,10 @@ int main(int argc, char** argv) {
     if (k_elems)
       spans.push_back({k.bytes_ptr(), in_place ? copy_k.bytes_ptr() : k_out.bytes_ptr(),
                        std::size_t(k_elems) * es});
-    spans.push_back({cos_t.bytes_ptr() + table_offset, nullptr, table_bytes});
-    spans.push_back({sin_t.bytes_ptr() + table_offset, nullptr, table_bytes});
+    if (!table_free) {
+      spans.push_back({cos_t.bytes_ptr() + table_offset, nullptr, table_bytes});
+      spans.push_back({sin_t.bytes_ptr() + table_offset, nullptr, table_bytes});
+    }
     if (!positions.empty())
       spans.push_back(
           {reinterpret_cast<const char*>(positions.data()), nullptr, positions.size() * 8});
