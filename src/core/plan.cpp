@@ -907,6 +907,8 @@ void fold_signs(const float* in, const std::uint32_t* signs, std::uint32_t flip,
 // TableLayout::even_odd_16 with the signs (in that order) and `flip` folded in: the bits of
 // load_table_row or spread_row, then fold_signs and split_even_odd_16, in one SSE2 pass instead of
 // three passes and a scratch row (BENCHMARKS.md, nineteenth session: 3-5% of a bf16 call in cache).
+// Each 16-lane chunk is read before it is written, so `out` may be the row itself (fp32, full
+// width).
 template <DType D>
 void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* signs,
                         std::uint32_t flip, int64_t rd, float* out) {
@@ -942,15 +944,15 @@ void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* si
   auto* dst = reinterpret_cast<std::uint32_t*>(out);
   for (int64_t k = 0; k < rd; k += 16) {
     const int64_t column = k < period ? k : k - period;
+    std::uint32_t chunk[16];
     for (int i = 0; i < 16; ++i) {
       const int64_t c = column + 2 * (i % 8) + i / 8;
-      std::uint32_t u;
       if constexpr (D == DType::f32)
-        std::memcpy(&u, reinterpret_cast<const float*>(row) + c, 4);
+        std::memcpy(&chunk[i], reinterpret_cast<const float*>(row) + c, 4);
       else
-        u = std::uint32_t(reinterpret_cast<const std::uint16_t*>(row)[c]) << 16;
-      dst[k + i] = u ^ signs[k + i] ^ flip;
+        chunk[i] = std::uint32_t(reinterpret_cast<const std::uint16_t*>(row)[c]) << 16;
     }
+    for (int i = 0; i < 16; ++i) dst[k + i] = chunk[i] ^ signs[k + i] ^ flip;
   }
 #endif
 }
@@ -1114,9 +1116,11 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
   };
   // Table-free half rows, one position per token: the rows kernel writes them into the tile a
   // block of tokens per call (row by row it waited on each row's latency); the loop below folds
-  // their signs in place.
+  // their signs in place, and splits them into the even/odd layout in the same pass
+  // (spread_even_odd_16 on the row itself).
   const bool free_rows = t.frequencies && !t.column_axis && r.lane_frequency_halves &&
-                         rd == 2 * t.columns && !even_odd;
+                         rd == 2 * t.columns &&
+                         (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty()));
   if (free_rows) {
     constexpr int64_t kBlock = 32;
     double block[kBlock];
@@ -1154,6 +1158,11 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
         spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
                    folded_sin);
       }
+    } else if (free_rows && even_odd) {
+      spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(c), rd,
+                                     r.cos_sign_bits_even_odd_16.data(), 0u, rd, c);
+      spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(s), rd,
+                                     r.sin_sign_bits_even_odd_16.data(), sin_flip, rd, s);
     } else if (free_rows) {
       fold_signs(c, cos_bits, 0u, rd, c);
       fold_signs(s, sin_bits, sin_flip, rd, s);
@@ -1162,7 +1171,7 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       fold_signs(row.cos, cos_bits, 0u, rd, folded_cos);
       fold_signs(row.sin, sin_bits, 0u, rd, folded_sin);
     }
-    if (even_odd && !even_odd_in_one_pass) {
+    if (even_odd && !even_odd_in_one_pass && !free_rows) {
       split_even_odd_16(row_cos, rd, c);
       split_even_odd_16(row_sin, rd, s);
     }
