@@ -1253,8 +1253,8 @@ void table_row(const Case& c, const World& w, const i64* idx, int axes, float* c
   }
 }
 
-// The same, as the tables' own bytes (their dtypes decide what a kernel may assume:
-// kernel_api.hpp's nan_results_low_bits_zero).
+// The same, as the tables' own bytes: the call under test reads them in their dtypes, and so does
+// the scalar reference.
 void table_row_bytes(const Case& c, const World& w, const i64* idx, int axes, std::uint8_t* cs,
                      std::uint8_t* sn) {
   const TensorDesc &cos = c.t[COS], &sin = c.t[SIN];

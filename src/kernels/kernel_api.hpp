@@ -74,7 +74,7 @@ inline bool single_fma_epilogue(const ForwardTile& tile) {
   return single_fma_epilogue(tile.dtype);
 }
 
-// bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the exact
+// bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the one-fma
 // epilogue returns (an input's payload, quietened, or the default NaN). Rounding such a NaN to
 // bf16 leaves its high half unchanged, so a kernel may narrow without a NaN case.
 inline bool nan_results_low_bits_zero(const ForwardTile& tile) {

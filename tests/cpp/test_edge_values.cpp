@@ -128,7 +128,7 @@ std::uint32_t nan_bits(DType d, int which) {
 TEST_P(OneFmaEpilogue, SpecialValuesMatchScalarBitForBit) {
   const auto [isa, index] = GetParam();
   const SpecialCase c = special_cases()[std::size_t(index)];
-  const std::int64_t rd = c.rotation.rotary_dim(), rows = 8;
+  const std::int64_t rd = c.rotation.rotary_dim(), rows = 9;
   const double inf = std::numeric_limits<double>::infinity();
   TestTensor x = TestTensor::make(c.x_dtype, {rows, rd});
   TestTables tables;
@@ -155,6 +155,11 @@ TEST_P(OneFmaEpilogue, SpecialValuesMatchScalarBitForBit) {
     x.set({7, j}, 1.0 + double(j) / 64.0);  // terms that cancel: xa·c ≈ -xb·s
     tables.cos.set({7, j}, 0.5);
     tables.sin.set({7, j}, -0.5);
+    // Terms that cancel where xa·c is not exact (fp32 tables): the one fma and the compensated
+    // sum differ in the 16-bit result, so a kernel taking the other form shows.
+    x.set({8, j}, 1.5);
+    tables.cos.set({8, j}, 0.1);
+    tables.sin.set({8, j}, (j % 2 ? -0.1 : 0.1) + 1e-7);
   }
   auto run = [&](Isa run_isa) {
     ScopedIsa scoped(run_isa);
@@ -363,14 +368,15 @@ TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndEveryKindMatchesScalar) {
 }
 #endif
 
-// The dense forward's epilogue where xa·c overflows fp32 from finite inputs: the compensated
-// epilogue's guard gives inf there, where the unguarded form would give inf − inf = NaN. Bit for
-// bit against the scalar kernel on every ISA, 16 lanes at a time (AVX2 bf16 narrows pairs) and
+// The dense forward's epilogue where xa·c overflows fp32 from finite inputs: fp32 x's compensated
+// epilogue guards its error term there (inf, where the unguarded form would give inf − inf = NaN),
+// bf16 x's one fma gives inf as well. Bit for bit against the scalar kernel on every ISA, 16 lanes
+// at a time (AVX2 bf16 narrows pairs) and
 // the last lanes alone, with a table NaN whose pair must take the NaN-aware narrowing. The matrix
 // has an entry not exact in bf16, so every ISA takes its FMA products (AMX's tile unit, which sums
 // in its own order, is left out for bf16 x).
 TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
-  const std::int64_t rd = 40, rows = 6;
+  const std::int64_t rd = 40, rows = 7;
   std::vector<float> b = Rotation::half(rd).to_dense_b();
   b[std::size_t(3 * rd + 23)] = 1.0009765625f;  // 1 + 2^-10
   const Rotation rotation = Rotation::dense(b, rd);
@@ -383,10 +389,18 @@ TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
       const std::int64_t r = i[0], j = i[1];
       if (r == 1) return j % 3 ? 3.0e38 : -2.0e38;  // xa·c past FLT_MAX
       if (r == 3 && j == 37) return 3.0e38;         // one overflow among the last lanes
+      if (r == 6) return 1.5;
       return 0.25 * double((r * 5 + j) % 9) - 1.0;
     });
-    tables.cos.fill([](const auto& i) { return i[0] % 2 ? 1.5 : 0.9 - 0.01 * double(i[1]); });
-    tables.sin.fill([](const auto& i) { return i[0] % 2 ? 0.75 : 0.2 + 0.01 * double(i[1]); });
+    // Row 6: terms that cancel where xa·c is not exact, so the epilogue's form shows in bf16.
+    tables.cos.fill([](const auto& i) {
+      return i[0] == 6 ? 0.1 : i[0] % 2 ? 1.5 : 0.9 - 0.01 * double(i[1]);
+    });
+    tables.sin.fill([](const auto& i) {
+      return i[0] == 6  ? (i[1] < 20 ? 0.1 : -0.1) + 1e-7
+             : i[0] % 2 ? 0.75
+                        : 0.2 + 0.01 * double(i[1]);
+    });
     // A NaN with low payload bits: its pair takes the NaN-aware narrowing, which quietens it
     // with those bits dropped as the scalar conversion does.
     const std::uint32_t nan = 0x7f80ffffu;

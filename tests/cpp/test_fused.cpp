@@ -161,7 +161,8 @@ const FusedCase kCases[] = {{64, 64, 4, 2, true},
                             {64, 64, 12, 5, false},
                             {128, 128, 6, 1, true}};
 
-// 16-bit rows sum their products in one fma (NormParams::single_fma), fp32 rows compensated.
+// 16-bit rows sum their products in one fma (kernel_api.hpp: single_fma_epilogue), fp32 rows
+// compensated.
 TEST(QkNormRope, MatchesReferenceAndScalarOnEveryIsa) {
   std::mt19937_64 rng(21);
   for (const FusedCase& fc : kCases)

@@ -171,7 +171,6 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
   const std::int64_t xs = (rd + kW - 1) / kW * kW;  // fp32 row stride (split staging)
   const std::int64_t os = (std::max(out_lanes, xs) + kW - 1) / kW * kW;
   const std::size_t out_stride = std::size_t(os) * sizeof(float);
-  const bool one_fma = single_fma_epilogue(tile);  // kernel_api.hpp
   // Two buffers of each: one group's products run while the previous group is finished.
   const std::size_t group_bytes = sizeof(float) * std::size_t(kRows * (xs + 2 * os)) +
                                   2 * sizeof(std::uint16_t) * std::size_t(kRows * ks);
@@ -251,7 +250,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
                                          : _mm512_load_ps(b.X + row * xs + j);
       const __m512 xb = _mm512_load_ps(b.XB + row * os + j);
       const __m512 cj = _mm512_load_ps(c + j), sj = _mm512_load_ps(s + j);
-      return one_fma ? combine_one_fma(xa, cj, xb, sj) : combine(xa, cj, xb, sj);
+      return combine_one_fma(xa, cj, xb, sj);  // 16-bit x: kernel_api.hpp's single_fma_epilogue
     };
     std::int64_t j = 0;
     for (; j + 2 * kW <= rd; j += 2 * kW) {

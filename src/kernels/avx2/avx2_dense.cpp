@@ -29,9 +29,6 @@ struct Avx2Vectors {
   static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
     return avx2::combine_one_fma(xa, c, xb, s);
   }
-  static ROME_INLINE F combine_unguarded(F xa, F c, F xb, F s) {
-    return avx2::combine_unguarded(xa, c, xb, s);
-  }
   static ROME_INLINE bool any_nan(F a, F b) { return avx2::any_nan(a, b); }
 };
 

@@ -17,11 +17,11 @@
 //    B from at most two offsets (3D RoPE), go 16 lanes at a time on tables in even/odd order
 //    (TableLayout::even_odd_16): no permute, no pack (8-lane bf16 vectors cost a vpmovzx to
 //    widen and a pack and a lane-crossing shuffle to narrow).
-// The one-fma choice (16-bit x) is a template parameter (RowLanes); two outputs at a time
-// (epilogue_pair) run the compensated epilogue unguarded and redo it guarded only when a result
-// is NaN; bf16 narrows without its NaN case where kernel_api.hpp's nan_results_low_bits_zero
-// allows. bf16 is narrowed by integer round-to-nearest-even (NaN quietened, subnormals kept), fp16
-// by F16C (exact).
+// 16-bit rows take the one-fma epilogue (kernel_api.hpp: single_fma_epilogue), fp32 rows the
+// compensated one, two outputs at a time (epilogue_pair) unguarded and redone guarded only when a
+// result is NaN; bf16 narrows without its NaN case where kernel_api.hpp's
+// nan_results_low_bits_zero allows. bf16 is narrowed by integer round-to-nearest-even (NaN
+// quietened, subnormals kept), fp16 by F16C (exact).
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -44,11 +44,6 @@ using detail::RotationData;
 using detail::VectorPermutePlan;
 using namespace avx2;
 using namespace permute;
-
-template <bool kOneFma>
-ROME_INLINE __m256 epilogue(__m256 xa, __m256 c, __m256 xb, __m256 s) {
-  return kOneFma ? combine_one_fma(xa, c, xb, s) : avx2::combine(xa, c, xb, s);
-}
 
 // Two outputs of the epilogue. The compensated one runs without its guard and is redone with it
 // when a result is NaN (the only case where the guard can matter; see combine_unguarded); the
@@ -182,12 +177,11 @@ struct Plan : PlanBase<Avx2> {
 using Work = permute::Work<Plan>;
 
 // The row loops' type parameter: the storage type's lanes and what the tile's values allow
-// (kernel_api.hpp: single_fma_epilogue, nan_results_low_bits_zero).
-template <DType D, bool kSingleFma, bool kNanLowBitsZero>
+// (kernel_api.hpp: nan_results_low_bits_zero).
+template <DType D, bool kNanLowBitsZero>
 struct RowLanes : std::conditional_t<D == DType::bf16 && kNanLowBitsZero,
                                      Lanes16<Bf16NanLowBitsZero>, Lanes<D>> {
   static constexpr DType kDType = D;
-  static constexpr bool kOneFma = kSingleFma;
   static constexpr bool kNarrowWithoutNanCheck = kNanLowBitsZero;
 };
 
@@ -224,13 +218,10 @@ ROME_INLINE void rows_shifted(const Work& w, const ForwardTile& tile) {
 template <typename L>
 ROME_INLINE void put_pair(const Work& w, bool stream, typename L::T* y, std::int64_t v, __m256 a0,
                           __m256 b0, __m256 a1, __m256 b1, const float* C, const float* S) {
-  constexpr bool kOneFma = L::kOneFma;
+  constexpr bool kOneFma = kOneFmaRows<L>;
   if constexpr (L::kDType == DType::bf16) {
-    const __m256 out0 = kOneFma ? combine_one_fma(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S))
-                                : combine_unguarded(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S));
-    const __m256 out1 =
-        kOneFma ? combine_one_fma(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW))
-                : combine_unguarded(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW));
+    const __m256 out0 = combine_one_fma(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S));
+    const __m256 out1 = combine_one_fma(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW));
     if (L::kNarrowWithoutNanCheck || __builtin_expect(!any_nan(out0, out1), 1)) {
       auto* at = reinterpret_cast<__m256i*>(y + kW * v);
       const __m256i packed = narrow_bf16_pair_not_nan(out0, out1);
@@ -240,10 +231,9 @@ ROME_INLINE void put_pair(const Work& w, bool stream, typename L::T* y, std::int
         _mm256_storeu_si256(at, packed);
       return;
     }
-    // A NaN result: the guarded way, with the NaN case of the narrowing.
-    put<L>(w, stream, y, v, epilogue<kOneFma>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S)));
-    put<L>(w, stream, y, v + 1,
-           epilogue<kOneFma>(a1, _mm256_load_ps(C + kW), b1, _mm256_load_ps(S + kW)));
+    // A NaN result: with the NaN case of the narrowing.
+    put<L>(w, stream, y, v, out0);
+    put<L>(w, stream, y, v + 1, out1);
   } else {
     __m256 out0, out1;
     epilogue_pair<kOneFma>(a0, _mm256_load_ps(C), b0, _mm256_load_ps(S), a1, _mm256_load_ps(C + kW),
@@ -289,29 +279,22 @@ ROME_INLINE void store_bf16(std::uint16_t* p, __m256i w) {
 }
 
 // Output chunk c from input chunks c (a) and its partner (b): y = a·C + b'·S, where b' is b
-// (half, quarter) or a with even and odd swapped (interleave). The fast path skips both NaN
-// guards (the compensated epilogue's and the rounding's); a chunk with a NaN among its results,
-// which is exactly where a guard can matter, is redone the exact way. Without the NaN check when
-// every NaN result has 16 zero low bits: rounding then leaves its high half as it is, already
-// quiet (the fma quietened it), which is what the NaN case would make of it.
-template <bool kPairs, bool kOneFma, bool kNoNanCheck, bool kStream>
+// (half, quarter) or a with even and odd swapped (interleave), in one fma (bf16 rows). The fast
+// path skips the rounding's NaN case; a chunk with a NaN among its results is narrowed with it.
+// Without the NaN check when every NaN result has 16 zero low bits: rounding then leaves its high
+// half as it is, already quiet (the fma quietened it), which is what the NaN case would make of it.
+template <bool kPairs, bool kNoNanCheck, bool kStream>
 ROME_INLINE void bf16_chunk(const EvenOdd& a, const EvenOdd& b, const float* C, const float* S,
                             std::uint16_t* y) {
   const __m256 b_even = kPairs ? a.odd : b.even, b_odd = kPairs ? a.even : b.odd;
   const __m256 c_even = _mm256_load_ps(C), c_odd = _mm256_load_ps(C + kW);
   const __m256 s_even = _mm256_load_ps(S), s_odd = _mm256_load_ps(S + kW);
-  __m256 even = kOneFma ? combine_one_fma(a.even, c_even, b_even, s_even)
-                        : combine_unguarded(a.even, c_even, b_even, s_even);
-  __m256 odd = kOneFma ? combine_one_fma(a.odd, c_odd, b_odd, s_odd)
-                       : combine_unguarded(a.odd, c_odd, b_odd, s_odd);
+  const __m256 even = combine_one_fma(a.even, c_even, b_even, s_even);
+  const __m256 odd = combine_one_fma(a.odd, c_odd, b_odd, s_odd);
   if (kNoNanCheck || __builtin_expect(!any_nan(even, odd), 1)) {
     store_bf16<kStream>(
         y, merge_bf16_even_odd(round_bf16_high_not_nan(even), round_bf16_high_not_nan(odd)));
     return;
-  }
-  if constexpr (!kOneFma) {
-    even = avx2::combine(a.even, c_even, b_even, s_even);
-    odd = avx2::combine(a.odd, c_odd, b_odd, s_odd);
   }
   store_bf16<kStream>(y, merge_bf16_even_odd(round_bf16_high(even), round_bf16_high(odd)));
 }
@@ -320,8 +303,7 @@ template <typename L, bool kStream>
 ROME_INLINE void row_bf16_pairs(std::int64_t chunks, const Row<L>& row) {
   for (std::int64_t c = 0; c < 16 * chunks; c += 16) {
     const EvenOdd a = split_bf16(row.x + c);
-    bf16_chunk<true, L::kOneFma, L::kNarrowWithoutNanCheck, kStream>(a, a, row.C + c, row.S + c,
-                                                                     row.y + c);
+    bf16_chunk<true, L::kNarrowWithoutNanCheck, kStream>(a, a, row.C + c, row.S + c, row.y + c);
   }
 }
 
@@ -344,10 +326,9 @@ ROME_INLINE void row_bf16_xor(std::int64_t chunks, std::int64_t K, const Row<L>&
   for (std::int64_t c0 = 0; c0 < 16 * chunks; c0 += 2 * d) {
     for (std::int64_t c = c0; c < c0 + d; c += 16) {
       const EvenOdd a = split_bf16(row.x + c), b = split_bf16(row.x + c + d);
-      constexpr bool kOneFma = L::kOneFma, kNoCheck = L::kNarrowWithoutNanCheck;
-      bf16_chunk<false, kOneFma, kNoCheck, kStream>(a, b, row.C + c, row.S + c, row.y + c);
-      bf16_chunk<false, kOneFma, kNoCheck, kStream>(b, a, row.C + c + d, row.S + c + d,
-                                                    row.y + c + d);
+      constexpr bool kNoCheck = L::kNarrowWithoutNanCheck;
+      bf16_chunk<false, kNoCheck, kStream>(a, b, row.C + c, row.S + c, row.y + c);
+      bf16_chunk<false, kNoCheck, kStream>(b, a, row.C + c + d, row.S + c + d, row.y + c + d);
     }
   }
 }
@@ -382,9 +363,9 @@ ROME_INLINE void row_bf16_shifted(const Work& w, const Row<L>& row, const std::u
     const __m256i b = _mm256_blendv_epi8(
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(copy + c + d[0])),
         _mm256_loadu_si256(reinterpret_cast<const __m256i*>(copy + c + d[1])), w.chunk_mask[k]);
-    constexpr bool kOneFma = L::kOneFma, kNoCheck = L::kNarrowWithoutNanCheck;
-    bf16_chunk<false, kOneFma, kNoCheck, kStream>(split_bf16(copy + c), split_bf16(b), row.C + c,
-                                                  row.S + c, row.y + c);
+    constexpr bool kNoCheck = L::kNarrowWithoutNanCheck;
+    bf16_chunk<false, kNoCheck, kStream>(split_bf16(copy + c), split_bf16(b), row.C + c, row.S + c,
+                                         row.y + c);
   }
 }
 
@@ -464,7 +445,7 @@ ROME_INLINE void rows_deinterleave(const Work& w, const ForwardTile& tile) {
       const __m256 ch = _mm256_load_ps(row.C + kW * (H + u));
       const __m256 sh = _mm256_load_ps(row.S + kW * (H + u));
       __m256 lo, hi;
-      epilogue_pair<L::kOneFma>(eo.even, cu, eo.odd, su, eo.odd, ch, eo.even, sh, lo, hi);
+      epilogue_pair<kOneFmaRows<L>>(eo.even, cu, eo.odd, su, eo.odd, ch, eo.even, sh, lo, hi);
       put<L>(w, stream, row.y, u, lo);
       put<L>(w, stream, row.y, H + u, hi);
     }
@@ -642,16 +623,10 @@ template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
   forward_tile<Plan>(r, tile, build_plan,
                      [&](Kind kind, const Work& w, const ForwardTile& run) ROME_INLINE_LAMBDA {
-                       if constexpr (D == DType::f32) {
-                         dispatch_rows<RowLanes<D, false, false>>(kind, w, run);
-                       } else {
-                         if (!w.one_fma)
-                           dispatch_rows<RowLanes<D, false, false>>(kind, w, run);
-                         else if (nan_results_low_bits_zero(run))
-                           dispatch_rows<RowLanes<D, true, D == DType::bf16>>(kind, w, run);
-                         else
-                           dispatch_rows<RowLanes<D, true, false>>(kind, w, run);
-                       }
+                       if (D == DType::bf16 && nan_results_low_bits_zero(run))
+                         dispatch_rows<RowLanes<D, D == DType::bf16>>(kind, w, run);
+                       else
+                         dispatch_rows<RowLanes<D, false>>(kind, w, run);
                      });
 }
 

@@ -195,9 +195,9 @@ ROME_INLINE void store_guarded_row(const Work& w, const Row<L>& row, const __m51
 }
 
 // A row rows_fixed found a NaN or subnormal result in: everything again from memory (the row is
-// not written yet, so in place too) with the guarded combine. Out of line, so that the common
-// path keeps nothing live for it: inlined, the sources and table vectors were spilled to the
-// stack on every row (9 stores and 16 register copies per 128-lane row).
+// not written yet, so in place too), narrowed lane by lane with the NaN case. Out of line, so that
+// the common path keeps nothing live for it: inlined, the sources and table vectors were spilled to
+// the stack on every row (9 stores and 16 register copies per 128-lane row).
 template <typename L, int VC, bool kLoadRow, class SourcesOf>
 [[gnu::noinline]] void redo_row_guarded(const Work& w, const Row<L>& row, SourcesOf sources) {
   __m512 in[VC];
@@ -210,9 +210,9 @@ template <typename L, int VC, bool kLoadRow, class SourcesOf>
 
 // Every output vector v is the epilogue of sources(in, x, v), `in` holding the row when kLoadRow;
 // the row is stored only after all of it is computed, so in place is safe.
-// bf16 rows narrowed in pairs run the epilogue unguarded and classify each result once for both
-// rare cases: NaN (the row is redone with the guarded combine; see combine_unguarded) and
-// subnormal (vcvtne2ps2bf16 flushes them). One vfpclassps per vector instead of two, on the port
+// bf16 rows narrowed in pairs run the one-fma epilogue and classify each result once for both
+// rare cases: NaN (the row is redone and narrowed with the NaN case) and subnormal
+// (vcvtne2ps2bf16 flushes them). One vfpclassps per vector instead of two, on the port
 // the permutes also need.
 template <typename L, int VC, bool kLoadRow, class SourcesOf>
 ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf sources) {
@@ -223,13 +223,12 @@ ROME_INLINE void rows_fixed(const Work& w, const ForwardTile& tile, SourcesOf so
       for (int v = 0; v < VC; ++v) in[v] = L::load(row.x + kW * v);
     }
     if constexpr (L::kPairs) {
-      const bool single_fma = one_fma<L>(w);
+      static_assert(kOneFmaRows<L>, "pair narrowing is for bf16 rows only");
 #pragma GCC unroll 16
       for (int v = 0; v < VC; ++v) {
         const Sources ab = sources(in, row.x, v);
         const __m512 c = _mm512_load_ps(row.C + kW * v), s = _mm512_load_ps(row.S + kW * v);
-        out[v] = single_fma ? avx512::combine_one_fma(ab.a, c, ab.b, s)
-                            : avx512::combine_unguarded(ab.a, c, ab.b, s);
+        out[v] = avx512::combine_one_fma(ab.a, c, ab.b, s);
       }
       const __mmask16 nan_or_subnormal = any_of_class<VC, 0x81 | 0x20>(out);
       if (__builtin_expect(_kortestz_mask16_u8(nan_or_subnormal, nan_or_subnormal), 1))

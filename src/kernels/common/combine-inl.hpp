@@ -24,5 +24,11 @@ inline float combine_lane_one_fma(float xa, float c, float xb, float s) {
   return std::fma(xb, s, xa * c);
 }
 
+// The forward epilogue of one lane: one fma for 16-bit x (kernel_api.hpp: single_fma_epilogue),
+// else compensated.
+inline float epilogue_lane(bool one_fma, float xa, float c, float xb, float s) {
+  return one_fma ? combine_lane_one_fma(xa, c, xb, s) : combine_lane(xa, c, xb, s);
+}
+
 }  // namespace
 }  // namespace rome::kernels

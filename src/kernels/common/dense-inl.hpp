@@ -18,9 +18,8 @@
 // 2 panel vectors + 1 broadcast must fit the register file); Lanes<D> (load/store of storage
 // type D, whole or the first n lanes); zero(), load(const float*), broadcast(const float*),
 // fma(a, b, c) = a·b + c rounded once, store(float*, F) (unaligned forms), combine(xa, c, xb, s),
-// combine_one_fma(xa, c, xb, s);
-// optionally combine_unguarded, any_nan(a, b) and Lanes<D>::store_pair_not_nan, which let the
-// epilogue take 2·kLanes lanes at a time (kStoresPairs).
+// combine_one_fma(xa, c, xb, s); optionally any_nan(a, b) and Lanes<D>::store_pair_not_nan, which
+// let the one-fma epilogue take 2·kLanes lanes at a time (kStoresPairs).
 #pragma once
 
 #include <algorithm>
@@ -126,7 +125,6 @@ void block_products(int rows, const detail::PanelPackedMatrix& m,
 template <class V, DType D>
 constexpr bool kStoresPairs = requires(typename V::template Lanes<D>::T* y, typename V::F v) {
   V::template Lanes<D>::store_pair_not_nan(y, v, v);
-  V::combine_unguarded(v, v, v, v);
   V::any_nan(v, v);
 };
 
@@ -149,7 +147,7 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
   for (int row = 0; row < R; ++row)
     for (std::int64_t j = rd; j < stride; ++j) XB[row * stride + j] = XA[row * stride + j] = 0.0f;
   const bool pass = tile.copy_passthrough && hd > rd;
-  const bool one_fma = single_fma_epilogue(tile);
+  constexpr bool kOneFma = single_fma_epilogue(D);
   const std::int64_t row_bytes = rd * std::int64_t(sizeof(T));
   const std::int64_t steps = panel_count(packs.b, r.dense_blocks) * (dense_a ? 2 : 1);
   for (std::int64_t first = 0; first < tile.count; first += R) {
@@ -173,33 +171,29 @@ void forward_dense(const detail::RotationData& r, const ForwardTile& tile) {
       const float* c = tile.cos_row(first + row);
       const float* s = tile.sin_row(first + row);
       T* y = static_cast<T*>(tile.y_row(first + row));
-      // Lanes [k, k + L) of the epilogue, with combine's guard (one fma needs none).
-      auto guarded = [&](std::int64_t k) ROME_INLINE_LAMBDA {
+      // Lanes [k, k + L) of the epilogue (kernel_api.hpp: single_fma_epilogue).
+      auto lanes = [&](std::int64_t k) ROME_INLINE_LAMBDA {
         const auto a = V::load(xa + k), ck = V::load(c + k), b = V::load(xb + k);
-        return one_fma ? V::combine_one_fma(a, ck, b, V::load(s + k))
-                       : V::combine(a, ck, b, V::load(s + k));
+        if constexpr (kOneFma)
+          return V::combine_one_fma(a, ck, b, V::load(s + k));
+        else
+          return V::combine(a, ck, b, V::load(s + k));
       };
       std::int64_t j = 0;
-      if constexpr (kStoresPairs<V, D>) {
-        // Two vectors at a time without the guard and the NaN-aware narrowing: where neither
-        // result has a NaN lane, the guard changed nothing and neither would the NaN case.
-        auto unguarded = [&](std::int64_t k) ROME_INLINE_LAMBDA {
-          const auto a = V::load(xa + k), ck = V::load(c + k), b = V::load(xb + k);
-          return one_fma ? V::combine_one_fma(a, ck, b, V::load(s + k))
-                         : V::combine_unguarded(a, ck, b, V::load(s + k));
-        };
+      if constexpr (kOneFma && kStoresPairs<V, D>) {
+        // Two vectors at a time without the NaN-aware narrowing where neither has a NaN lane.
         for (; j + 2 * L <= rd; j += 2 * L) {
-          const auto v0 = unguarded(j), v1 = unguarded(j + L);
+          const auto v0 = lanes(j), v1 = lanes(j + L);
           if (__builtin_expect(!V::any_nan(v0, v1), 1)) {
             Lanes::store_pair_not_nan(y + j, v0, v1);
-            continue;
+          } else {
+            Lanes::store(y + j, v0);
+            Lanes::store(y + j + L, v1);
           }
-          Lanes::store(y + j, guarded(j));
-          Lanes::store(y + j + L, guarded(j + L));
         }
       }
       for (; j < rd; j += L) {
-        const auto v = guarded(j);
+        const auto v = lanes(j);
         const int n = int(std::min<std::int64_t>(L, rd - j));
         if (n == L)
           Lanes::store(y + j, v);

@@ -40,8 +40,7 @@ void store_norm_row_lanes(const detail::RotationData& r, const float* x, float s
   for (std::int64_t j = 0; j < rd; ++j) {
     const float xa = r.a_identity ? x[j] : r.a.sign[j] == 0 ? 0.0f : x[r.a.src[j]];
     const float xb = r.b.sign[j] == 0 ? 0.0f : x[r.b.src[j]];
-    const float sum = single_fma_epilogue(D) ? combine_lane_one_fma(xa, cw[j], xb, sw[j])
-                                             : combine_lane(xa, cw[j], xb, sw[j]);
+    const float sum = epilogue_lane(single_fma_epilogue(D), xa, cw[j], xb, sw[j]);
     float v = sum * scale;
     if (!std::isfinite(v)) v = combine_lane(xa * scale, cw[j], xb * scale, sw[j]);
     detail::store_float<D>(y + j, v);

@@ -406,7 +406,7 @@ template <class I, DType D, class L, class O>
   store_norm_row_lanes<D>(r, buffers.row, scale, cw, sw, norm, y);
 }
 
-template <class I, DType D, class L, class O, NormKind K, bool kSingleFma>
+template <class I, DType D, class L, class O, NormKind K>
 [[gnu::noinline]] void norm_rows(const RotationData& r, const ForwardTile& run,
                                  const NormParams& norm, FoldedRow<I, O>& folded,
                                  const NormBuffers& buffers) {
@@ -436,8 +436,8 @@ template <class I, DType D, class L, class O, NormKind K, bool kSingleFma>
         const float scale = scales[i];
         if constexpr (K != NormKind::other) {
           if (ss[i] <= folded.finite_sum_squares_max && scale <= FLT_MAX) {
-            rotate_row<I, O, K, kSingleFma>(x, y, folded.cw, folded.sw, folded.weights, rd, hd,
-                                            I::set1(scale));
+            rotate_row<I, O, K, single_fma_epilogue(D)>(x, y, folded.cw, folded.sw, folded.weights,
+                                                        rd, hd, I::set1(scale));
             continue;
           }
         }
@@ -453,10 +453,9 @@ void norm_rows_in_order(const RotationData& r, const ForwardTile& tile, const No
                         NormKind kind, const NormBuffers& buffers) {
   const float* weights = O::weights_in_table_order(norm.weight, r.head_dim, buffers.weights);
   FoldedRow<I, O> folded(buffers.cw_sw, buffers.sw_offset, weights, r, kind, true);
-  constexpr bool kOneFma = single_fma_epilogue(D);
   if (kind == NormKind::half)
-    return norm_rows<I, D, L, O, NormKind::half, kOneFma>(r, tile, norm, folded, buffers);
-  return norm_rows<I, D, L, O, NormKind::interleave, kOneFma>(r, tile, norm, folded, buffers);
+    return norm_rows<I, D, L, O, NormKind::half>(r, tile, norm, folded, buffers);
+  return norm_rows<I, D, L, O, NormKind::interleave>(r, tile, norm, folded, buffers);
 }
 
 template <class I>
@@ -490,7 +489,7 @@ void forward_norm(const RotationData& r, const ForwardTile& tile, const NormPara
   if (whole_chunk_rows(r, kind, O::kLanes))
     return norm_rows_in_order<I, D, L, O>(r, tile, norm, kind, buffers);
   FoldedRow<I, O> folded(buffers.cw_sw, buffers.sw_offset, norm.weight, r, kind, false);
-  norm_rows<I, D, L, O, NormKind::other, false>(r, tile, norm, folded, buffers);
+  norm_rows<I, D, L, O, NormKind::other>(r, tile, norm, folded, buffers);
 }
 
 // The TableLayoutFn: the order of the tiles forward_norm takes.

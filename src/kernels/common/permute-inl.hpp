@@ -72,7 +72,6 @@ struct Work : P {
   typename I::Count tail = I::kAll;  // lanes of the last vector
   bool pass = false;                 // copy lanes [rd, hd)
   bool stream = false;               // non-temporal stores for 64-byte aligned rows
-  bool one_fma = false;              // kernel_api.hpp: single_fma_epilogue
   float* X = nullptr;                // the row in fp32 (general rows), or ISA row copies
 };
 
@@ -117,21 +116,18 @@ ROME_INLINE void pass_through(const W& w, const typename L::T* x, typename L::T*
                      w.stream);
 }
 
-// Whether the epilogue is one fma: AVX2's row types fix it per instantiation; AVX-512 branches on
-// the tile (one more instantiation of every row loop would double that file's build time).
-template <class L, class W>
-ROME_INLINE bool one_fma(const W& w) {
-  if constexpr (requires { L::kOneFma; })
-    return L::kOneFma;
-  else
-    return w.one_fma;
-}
+// Rows of 16-bit storage take the one-fma epilogue (kernel_api.hpp: single_fma_epilogue).
+template <class L>
+constexpr bool kOneFmaRows = sizeof(typename L::T) == 2;
 
 template <class L, class W, class F>
 ROME_INLINE F combine(const W& w, F xa, F xb, const Row<L>& row, std::int64_t v) {
   using I = typename W::I;
   const F c = I::load(row.C + I::kLanes * v), s = I::load(row.S + I::kLanes * v);
-  return one_fma<L>(w) ? I::combine_one_fma(xa, c, xb, s) : I::combine(xa, c, xb, s);
+  if constexpr (kOneFmaRows<L>)
+    return I::combine_one_fma(xa, c, xb, s);
+  else
+    return I::combine(xa, c, xb, s);
 }
 
 template <class L, class W>
@@ -200,7 +196,7 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
         const auto cv = I::load(row.C + kW * v), sv = I::load(row.S + kW * v);
         const auto cu = I::load(row.C + kW * u), su = I::load(row.S + kW * u);
         decltype(I::load(row.C)) out_v, out_u;
-        I::epilogue_pair(one_fma<L>(w), a, cv, b, sv, b, cu, a, su, out_v, out_u);
+        I::epilogue_pair(kOneFmaRows<L>, a, cv, b, sv, b, cu, a, su, out_v, out_u);
         put<L>(w, stream, row.y, v, out_v);
         put<L>(w, stream, row.y, u, out_u);
       }
@@ -381,7 +377,6 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
   Work<P> w = work_for<P>(r);
   w.pass = tile.copy_passthrough && w.hd > w.rd;
   w.stream = tile.stream;
-  w.one_fma = single_fma_epilogue(tile);
   constexpr std::int64_t kStackFloats = 256;
   alignas(64) float stack[kStackFloats];
   const std::int64_t floats = (w.V + I::kPadVectors) * I::kLanes;

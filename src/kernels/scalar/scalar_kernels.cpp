@@ -36,8 +36,7 @@ void forward_permute_run(const RotationData& r, const ForwardTile& tile) {
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? xf[j] : r.a.sign[j] == 0 ? 0.0f : xf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : xf[r.b.src[j]];
-      detail::store_float<D>(y + j, one_fma ? combine_lane_one_fma(xa, cos[j], xb, sin[j])
-                                            : combine_lane(xa, cos[j], xb, sin[j]));
+      detail::store_float<D>(y + j, epilogue_lane(one_fma, xa, cos[j], xb, sin[j]));
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
@@ -74,8 +73,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
           xb = std::fma(xf[i], b[i * rd + j], xb);
         }
         if (r.a_identity) xa = xf[j];
-        detail::store_float<D>(y + j, one_fma ? combine_lane_one_fma(xa, cos[j], xb, sin[j])
-                                              : combine_lane(xa, cos[j], xb, sin[j]));
+        detail::store_float<D>(y + j, epilogue_lane(one_fma, xa, cos[j], xb, sin[j]));
       }
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
