@@ -35,7 +35,13 @@
 //                       transformers hands them over before its transpose (--q stays B,N,S,D)
 //   --qk-norm           rome::qk_norm_rope (per-head RMSNorm + RoPE, in place) on token-major
 //                       q [T, Hq, D] and k [T, Hk, D] (give --q T,Hq,D --k T,Hk,D)
-//   --packed-qkv        with --qk-norm: q and k are the q and k heads of one packed qkv buffer
+//   --kv-cache          rome::rope_and_cache_kv on token-major q [T, Hq, D] and k [T, Hk, D] (give
+//                       --q and --k as for --qk-norm; with --qk-norm too, the norm as well): q and
+//                       k rotated in place, k and a value [T, Hk, D] written to a paged cache of
+//                       16-slot blocks (twice the blocks T needs) at shuffled slots; the copy
+//                       floor also copies k's and the value's bytes once more
+//   --packed-qkv        with --qk-norm or --kv-cache: q and k are the q and k heads of one packed
+//   qkv buffer
 //                       [T, (Hq + 2·Hk)·D] (Hk value heads, untouched), as an engine's qkv
 //                       projection leaves them; the copy floor still copies q's and k's bytes
 //   --isa NAME          cap the ISA (scalar|avx2|avx512|amx), or avx512-no-bf16: the AVX-512
@@ -206,8 +212,8 @@ int usage(const char* why) {
       "[--blocks a,b,..] [--cache P [--shuffle-positions]] [--dtype bf16] [--table-dtype f32] "
       "[--threads N] "
       "[--tile-tokens T] [--min-parallel-bytes B] "
-      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--table-free] [--qk-norm "
-      "[--packed-qkv]] "
+      "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--table-free] [--qk-norm] "
+      "[--kv-cache] [--packed-qkv] "
       "[--force-dense] "
       "[--matrix-dtype f32|bf16] [--isa NAME]\n",
       why);
@@ -224,7 +230,7 @@ int main(int argc, char** argv) {
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0, min_parallel_bytes = -1;
   bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false;
-  bool packed_qkv = false, table_free = false;
+  bool packed_qkv = false, table_free = false, kv_cache = false;
   try {
     for (int i = 1; i < argc; ++i) {
       const std::string a = argv[i];
@@ -268,6 +274,8 @@ int main(int argc, char** argv) {
         shuffle = true;
       else if (a == "--qk-norm")
         qk_norm = in_place = true;
+      else if (a == "--kv-cache")
+        kv_cache = in_place = true;
       else if (a == "--table-free")
         table_free = true;
       else if (a == "--packed-qkv")
@@ -287,9 +295,11 @@ int main(int argc, char** argv) {
   if (q_shape.size() < 2 || q_shape.size() > 5) return usage("--q needs 2 to 5 sizes");
   if (!k_shape.empty() && k_shape.size() != q_shape.size())
     return usage("--k needs as many sizes as --q");
-  if (qk_norm && (q_shape.size() != 3 || k_shape.size() != 3 || k_shape[0] != q_shape[0]))
-    return usage("--qk-norm needs --q T,Hq,D and --k T,Hk,D");
-  if (packed_qkv && !qk_norm) return usage("--packed-qkv needs --qk-norm");
+  // --qk-norm and --kv-cache: the fused passes' token-major operands.
+  const bool token_major = qk_norm || kv_cache;
+  if (token_major && (q_shape.size() != 3 || k_shape.size() != 3 || k_shape[0] != q_shape[0]))
+    return usage("--qk-norm and --kv-cache need --q T,Hq,D and --k T,Hk,D");
+  if (packed_qkv && !token_major) return usage("--packed-qkv needs --qk-norm or --kv-cache");
   if (table_free && cache <= 0) return usage("--table-free needs --cache P (the positions)");
   repeats = std::max(1, repeats);
   if (threads <= 0) threads = rome::default_num_threads();
@@ -304,7 +314,7 @@ int main(int argc, char** argv) {
       rome::set_max_isa(parse_isa(isa_name));
     }
     const std::int64_t dim = q_shape.back();
-    const std::int64_t seq = qk_norm ? q_shape[0] : q_shape[q_shape.size() - 2];
+    const std::int64_t seq = token_major ? q_shape[0] : q_shape[q_shape.size() - 2];
     rome::Rotation rotation = make_rotation(rotation_kind, dim);
     if (!blocks.empty() && rotation_kind == "dense") {
       rotation = rome::bench::random_orthogonal_blocks(blocks);
@@ -371,14 +381,14 @@ int main(int argc, char** argv) {
 
     rome::Tables tables;
     // qk_norm_rope's tables vary along T only: direct [T, 1, rd], or positions [T, 1].
-    const std::vector<std::int64_t> table_shape = qk_norm && cache == 0
+    const std::vector<std::int64_t> table_shape = token_major && cache == 0
                                                       ? std::vector<std::int64_t>{rows, 1, rd}
                                                       : std::vector<std::int64_t>{rows, rd};
     tables.cos = view_of<const void*>(cos_t.data, table_dtype, table_shape);
     tables.sin = view_of<const void*>(sin_t.data, table_dtype, table_shape);
     if (cache > 0) {
       std::vector<std::int64_t> pshape(q_shape.size() - 1, 1);
-      pshape[qk_norm ? 0 : pshape.size() - 1] = seq;
+      pshape[token_major ? 0 : pshape.size() - 1] = seq;
       tables.positions = view_of<const void*>(positions.data(), DType::i64, pshape);
     }
     if (table_free) {
@@ -415,8 +425,31 @@ int main(int argc, char** argv) {
       norm_k.data = qkv.bytes_ptr() + q_shape[1] * dim * es;
       norm_q.strides[0] = norm_k.strides[0] = qkv_row;
     }
+    // --kv-cache: the value, the caches and a slot per token.
+    const std::int64_t kv_heads = kv_cache ? k_shape[1] : 0, block_size = 16;
+    const std::int64_t cache_blocks = kv_cache ? 2 * ((seq + block_size - 1) / block_size) : 0;
+    const std::int64_t kv_elems = seq * kv_heads * dim;
+    Buffer value(std::size_t(kv_elems) * es),
+        key_cache(std::size_t(cache_blocks * block_size * kv_heads * dim) * es),
+        value_cache(std::size_t(cache_blocks * block_size * kv_heads * dim) * es);
+    std::vector<std::int64_t> slots(std::size_t(cache_blocks * block_size));
+    for (std::size_t i = 0; i < slots.size(); ++i) slots[i] = std::int64_t(i);
+    std::shuffle(slots.begin(), slots.end(), std::mt19937_64(2));
+    rome::PagedKvWrite kv;
+    if (kv_cache) {
+      fill_values(value.data, dtype, kv_elems, 4);
+      kv.value = view_of<const void*>(value.data, dtype, {seq, kv_heads, dim});
+      kv.key_cache =
+          view_of<void*>(key_cache.data, dtype, {cache_blocks, block_size, kv_heads, dim});
+      kv.value_cache =
+          view_of<void*>(value_cache.data, dtype, {cache_blocks, block_size, kv_heads, dim});
+      kv.slot_mapping = view_of<const void*>(slots.data(), DType::i64, {seq});
+    }
     auto rope = [&] {
-      if (qk_norm)
+      if (kv_cache)
+        rome::rope_and_cache_kv(rotation, tables, norm_q, norm_k, kv, qk_norm ? &norm : nullptr,
+                                options);
+      else if (qk_norm)
         rome::qk_norm_rope(rotation, tables, norm, norm_q, norm_k, options);
       else
         rome::rope_forward(rotation, tables, q_op, k_elems ? &k_op : nullptr, options);
@@ -435,6 +468,11 @@ int main(int argc, char** argv) {
     if (k_elems)
       spans.push_back({k.bytes_ptr(), in_place ? copy_k.bytes_ptr() : k_out.bytes_ptr(),
                        std::size_t(k_elems) * es});
+    Buffer copy_value(std::size_t(kv_elems) * es), copy_key(std::size_t(kv_elems) * es);
+    if (kv_cache) {
+      spans.push_back({value.bytes_ptr(), copy_value.bytes_ptr(), std::size_t(kv_elems) * es});
+      spans.push_back({k.bytes_ptr(), copy_key.bytes_ptr(), std::size_t(kv_elems) * es});
+    }
     if (!table_free) {
       spans.push_back({cos_t.bytes_ptr() + table_offset, nullptr, table_bytes});
       spans.push_back({sin_t.bytes_ptr() + table_offset, nullptr, table_bytes});
