@@ -60,8 +60,8 @@ void element_span(const BasicView<P>& v, int64_t& lo, int64_t& hi) {
   lo = 0;
   hi = 1;
   for (int i = 0; i < v.rank; ++i) {
-    if (v.shape[i] == 0) {
-      hi = 0;
+    if (v.shape[i] == 0) {  // no elements: an empty span, whatever earlier axes reached
+      lo = hi = 0;
       return;
     }
     const int64_t reach = v.strides[i] * (v.shape[i] - 1);
