@@ -31,13 +31,12 @@
 // load_floats(p, Count), prefetch(p); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows, j,
 // n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8),
 // split_rows_bf16(rows, j) (.even, .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss)
-// (each row of A accumulators:
-// ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, rows, hd, eps, scale) of the first `rows`
-// of a group's kAccumulators·kRowsPerVector rows. Storage lanes L: T, load / store (whole
-// or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors vectors, kLanes lanes), load /
-// store of a chunk of the row in table order, swap_pairs (each lane's interleave partner), the
-// weights in table order; one whose tables are not natural (kNaturalTables) also gives to_natural,
-// and a Bf16Order takes(r, kind) and kLayout.
+// (each row of A accumulators: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, rows, hd,
+// eps, scale) of the first `rows` of a group's kAccumulators·kRowsPerVector rows. Storage lanes
+// L: T, load / store (whole or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors
+// vectors, kLanes lanes), load / store of a chunk of the row in table order, swap_pairs (each
+// lane's interleave partner), the weights in table order; one whose tables are not natural
+// (kNaturalTables) also gives to_natural, and a Bf16Order takes(r, kind) and kLayout.
 #pragma once
 
 #include <algorithm>
