@@ -70,9 +70,6 @@ struct ForwardTile {
 constexpr bool single_fma_epilogue(DType x) {
   return x == DType::bf16 || x == DType::f16;
 }
-inline bool single_fma_epilogue(const ForwardTile& tile) {
-  return single_fma_epilogue(tile.dtype);
-}
 
 // bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the one-fma
 // epilogue returns (an input's payload, quietened, or the default NaN). Rounding such a NaN to
@@ -106,12 +103,12 @@ using AccumulateProductFn = void (*)(std::int64_t rows, std::int64_t k, std::int
 // row of tables, not per head). Rotated lane j (j < rotary_dim; table rows in norm_table_layout's
 // order, signs folded) is y_j = r · (x_a(j)·C'_j + x_b(j)·S'_j): the sum of the raw lanes'
 // products, formed as ForwardFn's epilogue forms it (single_fma_epilogue: combine_lane_one_fma,
-// else combine_lane), then scaled once. Where that is not
-// finite (r is 0 or infinite, a product overflows, an input is inf or NaN) the lane is the
-// normalised form instead, combine_lane(x_a·r, C'_j, x_b·r, S'_j), so no overflow of an
-// unnormalised product reaches the output. Lanes past rotary_dim are (x·r)·w. Each lane is rounded
-// once. Every ISA gives the same bits (where two NaNs meet in one operation, which payload survives
-// follows the compiler's operand order). In place (y == x) or out of place.
+// else combine_lane), then scaled once. Where that is not finite (r is 0 or infinite, a product
+// overflows, an input is inf or NaN) the lane is the normalised form instead, combine_lane(x_a·r,
+// C'_j, x_b·r, S'_j), so no overflow of an unnormalised product reaches the output. Lanes past
+// rotary_dim are (x·r)·w. Each lane is rounded once. Every ISA gives the same bits (where two NaNs
+// meet in one operation, which payload survives follows the compiler's operand order). In place
+// (y == x) or out of place.
 struct NormParams {
   const float* weight;  // head_dim fp32 values (Gemma's 1 + w already added)
   float eps;  // finite and >= 0 (the core checks): the SIMD kernels' overflow bounds need it

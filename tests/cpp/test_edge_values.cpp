@@ -371,10 +371,9 @@ TEST(CompiledPermutes, PickedForTheirRotationsOnlyAndEveryKindMatchesScalar) {
 // The dense forward's epilogue where xa·c overflows fp32 from finite inputs: fp32 x's compensated
 // epilogue guards its error term there (inf, where the unguarded form would give inf − inf = NaN),
 // bf16 x's one fma gives inf as well. Bit for bit against the scalar kernel on every ISA, 16 lanes
-// at a time (AVX2 bf16 narrows pairs) and
-// the last lanes alone, with a table NaN whose pair must take the NaN-aware narrowing. The matrix
-// has an entry not exact in bf16, so every ISA takes its FMA products (AMX's tile unit, which sums
-// in its own order, is left out for bf16 x).
+// at a time (AVX2 bf16 narrows pairs) and the last lanes alone, with a table NaN whose pair must
+// take the NaN-aware narrowing. The matrix has an entry not exact in bf16, so every ISA takes its
+// FMA products (AMX's tile unit, which sums in its own order, is left out for bf16 x).
 TEST(DenseEpilogue, OverflowingProductsMatchScalarBitForBit) {
   const std::int64_t rd = 40, rows = 7;
   std::vector<float> b = Rotation::half(rd).to_dense_b();

@@ -26,7 +26,7 @@ void forward_permute_run(const RotationData& r, const ForwardTile& tile) {
   thread_local std::vector<float> row;
   if (std::int64_t(row.size()) < rd) row.resize(rd);
   float* xf = row.data();
-  const bool one_fma = single_fma_epilogue(tile);
+  constexpr bool kOneFma = single_fma_epilogue(D);
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const T* x = static_cast<const T*>(tile.x_row(n));
     T* y = static_cast<T*>(tile.y_row(n));
@@ -36,7 +36,7 @@ void forward_permute_run(const RotationData& r, const ForwardTile& tile) {
     for (std::int64_t j = 0; j < rd; ++j) {
       const float xa = r.a_identity ? xf[j] : r.a.sign[j] == 0 ? 0.0f : xf[r.a.src[j]];
       const float xb = r.b.sign[j] == 0 ? 0.0f : xf[r.b.src[j]];
-      detail::store_float<D>(y + j, epilogue_lane(one_fma, xa, cos[j], xb, sin[j]));
+      detail::store_float<D>(y + j, epilogue_lane(kOneFma, xa, cos[j], xb, sin[j]));
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
   }
@@ -56,7 +56,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
   float* xf = row.data();
   const float* a = r.dense_a.data();
   const float* b = r.dense_b.data();
-  const bool one_fma = single_fma_epilogue(tile);
+  constexpr bool kOneFma = single_fma_epilogue(D);
   for (std::int64_t n = 0; n < tile.count; ++n) {
     const T* x = static_cast<const T*>(tile.x_row(n));
     T* y = static_cast<T*>(tile.y_row(n));
@@ -73,7 +73,7 @@ void forward_dense(const RotationData& r, const ForwardTile& tile) {
           xb = std::fma(xf[i], b[i * rd + j], xb);
         }
         if (r.a_identity) xa = xf[j];
-        detail::store_float<D>(y + j, epilogue_lane(one_fma, xa, cos[j], xb, sin[j]));
+        detail::store_float<D>(y + j, epilogue_lane(kOneFma, xa, cos[j], xb, sin[j]));
       }
     }
     if (tile.copy_passthrough && hd > rd) std::memcpy(y + rd, x + rd, (hd - rd) * sizeof(T));
