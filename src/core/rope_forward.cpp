@@ -1,11 +1,10 @@
 // The forward executor. Work is cut into tiles: a run of consecutive tokens (outer indices along
 // the last outer axis) × every head of q and k. Each tile's table rows are expanded once (width,
 // positions gather, signs folded) into a buffer that stays in L1/L2 for all of its heads. Inside a
-// tile the permute kernels take the rows token by token, every token's heads on its table row
-// while it is in L1, all the tile's tokens in one call (Executor::head_major). Dense kernels,
-// and operands of fewer than kTokenMajorRows heads, go in the order that walks memory
-// contiguously: BNSD-like layouts one head at a time over the tile's tokens (a run of several
-// KB), BSND and packed [T, H·D] layouts one token at a time over its heads.
+// tile the rows go in the order that walks memory contiguously (Executor::head_major): BNSD-like
+// layouts one head at a time over the tile's tokens (a run of several KB), BSND and packed
+// [T, H·D] layouts one token at a time over its heads, a permute kernel taking all the tile's
+// tokens in one call. Tiles of few tokens go token by token whatever the layout.
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -28,8 +27,8 @@ using detail::OperandPlan;
 using kernels::ForwardTile;
 
 constexpr std::int64_t kMaxAutoTileTokens = 512;
-// Heads per token from which a permute kernel walks a tile token by token, whatever the layout.
-constexpr std::int64_t kTokenMajorRows = 4;
+// Tokens per tile below which a permute kernel walks a tile token by token, whatever the layout.
+constexpr std::int64_t kHeadMajorTokens = 32;
 
 // Grows on demand, 64-byte aligned, never shrinks: no allocation once warm.
 class TileBuffer {
@@ -93,16 +92,18 @@ struct Executor {
 };
 
 // Whether the operand's rows go to the kernel one head at a time over the tile's tokens, rather
-// than one token at a time over its heads. Token by token, a token's table row serves all its
-// heads from L1; head by head, every row reads its table row from L2 again, for a permute kernel
-// the larger part of the traffic (a 1 KiB fp32 row against 256 bytes of bf16 x). So permute
-// kernels go token by token from kTokenMajorRows heads on, BNSD too (seed tensor in place, 1
-// thread: 1.21-1.39x -> 0.91-1.16x the copy; BENCHMARKS.md). Dense kernels, and few heads, keep
-// the long run: heads further apart than tokens (BNSD-like) go head by head.
+// than one token at a time over its heads: heads further apart than tokens (BNSD-like) go head by
+// head, so each head's rows are one contiguous run. Token by token a BNSD tile is as many
+// interleaved streams as it has heads (twice that out of place), 256 bytes at a time; head by
+// head every row reads its table row from L2 again, which costs less (paired, AVX2 Zen 3, bf16:
+// q [1,32,4096,128] + k [1,8,4096,128] out of place 0.68x the time on 1 thread and 0.72x on 2, the
+// seed tensor 0.95x in place; BENCHMARKS.md, twenty-first session). A permute kernel takes a
+// token-major tile in one call and a head-major one in one call per head: below
+// kHeadMajorTokens tokens the calls cost more than the order saves (T = 4: 1.3x).
 bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
   if (tokens <= 1) return false;
   if (op.inner.count == 0) return true;  // one row per token
-  if (token_runs && op.inner.rows >= kTokenMajorRows) return false;
+  if (token_runs && tokens < kHeadMajorTokens) return false;
   const int last = plan->outer_count - 1;
   const std::int64_t token_in = last >= 0 ? op.outer_in[last] : 0;
   return std::abs(token_in) <= std::abs(op.inner.in_stride[op.inner.count - 1]);

@@ -31,12 +31,13 @@ struct ExecutorCase {
   std::vector<std::int64_t> positions_shape;
 };
 
-// q and k [B, N, S, D] unless the name says otherwise; D = 64. Permute kernels walk bnsd_gqa
-// token by token (12 and 4 rows per token) and bnsd_batch_tables head by head (3 and 1).
+// q and k [B, N, S, D] unless the name says otherwise; D = 64. Permute kernels walk BNSD tiles of
+// at least 32 tokens head by head (the default tiles of bnsd_gqa, bnsd_batch_tables and
+// bnsd_tokens_reversed) and smaller tiles token by token (the forced ones).
 const std::vector<ExecutorCase>& cases() {
   static const std::vector<ExecutorCase> c = {
       {"bnsd_gqa", {2, 6, 37, 64}, {2, 2, 37, 64}, {}, {}, {37, 64}},
-      {"bnsd_batch_tables", {2, 3, 29, 64}, {2, 1, 29, 64}, {}, {}, {2, 1, 29, 64}},
+      {"bnsd_batch_tables", {2, 3, 33, 64}, {2, 1, 33, 64}, {}, {}, {2, 1, 33, 64}},
       {"bnsd_one_token", {1, 8, 1, 64}, {1, 2, 1, 64}, {}, {}, {1, 64}},
       // BSND: [B, S, N, D] with tables [1, S, 1, D].
       {"bsnd_gqa", {2, 37, 6, 64}, {2, 37, 3, 64}, {}, {}, {1, 37, 1, 64}},
@@ -51,14 +52,14 @@ const std::vector<ExecutorCase>& cases() {
        {45, 1}},
       // Tables that vary per head too: every row has its own table row.
       {"bnsd_tables_per_head", {1, 3, 21, 64}, {}, {}, {}, {1, 3, 21, 64}},
-      // Tokens laid out backwards: negative token steps for q (6 heads, token by token) and
-      // negative row steps for k (2 heads, head by head).
+      // Tokens laid out backwards: negative token steps (token by token) and negative row steps
+      // (head by head).
       {"bnsd_tokens_reversed",
-       {1, 6, 23, 64},
-       {1, 2, 23, 64},
+       {1, 6, 41, 64},
+       {1, 2, 41, 64},
        Layout{{}, 0, 2},
        Layout{{}, 0, 2},
-       {23, 64},
+       {41, 64},
        0,
        {}},
       // A transposed view (BSND memory read as BNSD) and positions per batch.
