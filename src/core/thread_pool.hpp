@@ -34,21 +34,30 @@ void parallel_for(const ExecOptions& options, std::int64_t items, int threads, F
     parallel_for(items, threads, body, &f);
 }
 
-// Calls that move fewer bytes (reads + writes) stay on the calling thread. Waking a second thread
-// and joining it cost about 7 us through torch's OpenMP pool and more through RoME's own on the
-// AMX Xeon VM (BENCHMARKS.md): vLLM-shaped decode (q [T, 32·128], k [T, 8·128] bf16), 1 vs 2
-// threads, T = 4: 7.0 vs 13.5-14.2 us, T = 16: 16-17 vs 18-21 us, T = 24: 2 threads ahead. T = 16
-// moves 320 KiB, T = 24 480 KiB.
-constexpr std::int64_t kMinParallelBytes = 384 * 1024;
+// Calls that move fewer bytes (reads + writes) stay on the calling thread: waking a second thread
+// and joining it costs more than it saves. The break-even moves with the kernel's time per byte.
+// AVX-512 (the AMX Xeon VM, torch's OpenMP pool, vLLM-shaped decode: q [T, 32·128] and k
+// [T, 8·128] bf16), 1 vs 2 threads: T = 4 7.0 vs 13.5-14.2 us, T = 16 (320 KiB) 16-17 vs 18-21
+// us, T = 24 (480 KiB) 2 threads ahead. AVX2 kernels take about twice as long per byte (no bf16
+// instructions): on a Zen 3 through torch's pool T = 16 took 13-15 us on 2 threads against 18-28
+// us on 1, T = 12 (240 KiB) 20-27 against 17-25 us (BENCHMARKS.md, twenty-first session).
+constexpr std::int64_t kMinParallelBytesAvx512 = 384 * 1024;
+constexpr std::int64_t kMinParallelBytesAvx2 = 256 * 1024;  // and the scalar kernels
 // The backward pass does more work per byte (gradients of the tables and matrices too).
 constexpr std::int64_t kMinParallelBytesBackward = 256 * 1024;
 
+// The forward threshold of the active ISA.
+inline std::int64_t min_parallel_bytes() noexcept {
+  return active_isa() >= Isa::avx512 ? kMinParallelBytesAvx512 : kMinParallelBytesAvx2;
+}
+
 // The threads for a call moving `bytes`: `threads`, or 1 below the options' threshold (-1: the
-// caller's default).
+// caller's default, else the forward threshold of the active ISA).
 inline int threads_for_bytes(const ExecOptions& options, std::int64_t bytes, int threads,
-                             std::int64_t default_floor = kMinParallelBytes) {
-  const std::int64_t floor =
-      options.min_parallel_bytes < 0 ? default_floor : options.min_parallel_bytes;
+                             std::int64_t default_floor = -1) {
+  const std::int64_t floor = options.min_parallel_bytes >= 0 ? options.min_parallel_bytes
+                             : default_floor >= 0            ? default_floor
+                                                             : min_parallel_bytes();
   return bytes < floor ? 1 : threads;
 }
 

@@ -360,13 +360,13 @@ TEST(Executor, ThreadCountsTakeEffect) {
 }
 
 // Below min_parallel_bytes a call stays on the calling thread; 0 splits any call; -1 is RoME's
-// threshold (kMinParallelBytes); anything below -1 is refused before a write.
+// threshold of the active ISA (256 or 384 KiB); anything below -1 is refused before a write.
 TEST(Executor, MinParallelBytesDecidesTheSplit) {
   const Rotation rot = Rotation::half(128);
-  TestTensor q = TestTensor::make(DType::bf16, {1, 32, 16, 128});  // 256 KiB moved
+  TestTensor q = TestTensor::make(DType::bf16, {1, 32, 12, 128});  // 192 KiB moved
   std::mt19937_64 rng(5);
   q.fill_random(rng, -1, 1);
-  const TestTables t = random_tables(16, rng);
+  const TestTables t = random_tables(12, rng);
   const Operand op{q.cview(), q.view()};
   ExecOptions options;
   options.num_threads = 2;
@@ -375,10 +375,10 @@ TEST(Executor, MinParallelBytesDecidesTheSplit) {
   options.min_parallel_bytes = 0;
   rope_forward(rot, t.view(), op, nullptr, options);
   EXPECT_EQ(last_call_threads(), 2) << "threshold 0";
-  options.min_parallel_bytes = 256 * 1024 + 1;
+  options.min_parallel_bytes = 192 * 1024 + 1;
   rope_forward(rot, t.view(), op, nullptr, options);
   EXPECT_EQ(last_call_threads(), 1) << "one byte over the call";
-  options.min_parallel_bytes = 256 * 1024;
+  options.min_parallel_bytes = 192 * 1024;
   rope_forward(rot, t.view(), op, nullptr, options);
   EXPECT_EQ(last_call_threads(), 2) << "exactly the call";
   const TestTensor before = q;
@@ -391,6 +391,27 @@ TEST(Executor, MinParallelBytesDecidesTheSplit) {
         << e.what();
   }
   EXPECT_TRUE(q.storage == before.storage);
+}
+
+// RoME's default threshold follows the active ISA: a vLLM-shaped decode step of 16 tokens (320
+// KiB) splits on AVX2 and the scalar kernels and stays on the caller on AVX-512 and AMX, whose
+// kernels take about half the time per byte.
+TEST(Executor, DefaultThresholdFollowsTheIsa) {
+  const Rotation rot = Rotation::half(128);
+  TestTensor q = TestTensor::make(DType::bf16, {1, 32, 16, 128});
+  TestTensor k = TestTensor::make(DType::bf16, {1, 8, 16, 128});  // 320 KiB moved with q
+  std::mt19937_64 rng(6);
+  q.fill_random(rng, -1, 1);
+  k.fill_random(rng, -1, 1);
+  const TestTables t = random_tables(16, rng);
+  const Operand oq{q.cview(), q.view()}, ok{k.cview(), k.view()};
+  ExecOptions options;
+  options.num_threads = 2;
+  for (Isa isa : isas_under_test()) {
+    ScopedIsa scoped(isa);
+    rope_forward(rot, t.view(), oq, &ok, options);
+    EXPECT_EQ(last_call_threads(), isa >= Isa::avx512 ? 1 : 2) << isa_name(isa);
+  }
 }
 
 TEST(Executor, RejectsBadTileTokens) {
