@@ -203,9 +203,8 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
   const bool per_token = plan.outer_count > 0;
   const detail::RotationData& r = rotation.data();
   const int64_t kv_row_bytes = hd * es;
-  // The norm kernels' table rows are C·w: fp32 values.
-  const kernels::TableValues table_values =
-      norm ? kernels::TableValues::fp32 : detail::table_values(plan);
+  // The norm kernels' table rows are C·w (kernel_api.hpp promises nothing of them).
+  const bool table_nans_low_bits_zero = !norm && detail::table_nans_low_bits_zero(plan, layout);
 
   // Tokens [t, t + n) of v in place, every head of a token on its table row (cos, sin: the run's
   // first row, the next token's a stride on when the tables vary per token).
@@ -222,7 +221,7 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
     run.x_token_step = run.y_token_step = v.strides[0] * es;
     run.table_token_step = per_token ? stride : 0;
     run.dtype = dtype;
-    run.table_values = table_values;
+    run.table_nans_low_bits_zero = table_nans_low_bits_zero;
     return run;
   };
 

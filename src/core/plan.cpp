@@ -902,18 +902,39 @@ void fold_signs(const float* in, const std::uint32_t* signs, std::uint32_t flip,
   for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ flip;
 }
 
+// Rows in TableLayout::even_odd_16 order go to the bf16 kernels, which narrow without a NaN case
+// when every NaN has 16 zero low bits (kernel_api.hpp: nan_results_low_bits_zero; the case cost
+// about 5-10% of a bf16 call, BENCHMARKS.md, twenty-first session). So their NaNs get the quiet
+// bit and lose those bits: the one-fma epilogue returns such an input quietened, and rounding it
+// to bf16 keeps the high half, which is the NaN case's result for the original value (its high
+// half, quietened). Without the quiet bit a signalling NaN with only low payload bits would become
+// an infinity.
+constexpr std::uint32_t kNanQuietBit = 0x00400000u, kLowBits = 0x0000ffffu;
+
+inline std::uint32_t nan_low_bits_cleared(std::uint32_t bits) {
+  return (bits & 0x7fffffffu) > 0x7f800000u ? (bits | kNanQuietBit) & ~kLowBits : bits;
+}
+
+// nan_low_bits_cleared on rd lanes in place.
+void clear_nan_low_bits(float* row, int64_t rd) {
+  auto* bits = reinterpret_cast<bits32*>(row);
+  for (int64_t j = 0; j < rd; ++j) bits[j] = nan_low_bits_cleared(bits[j]);
+}
+
 // One table row of fp32 or bf16 values (unit lane stride; lane j reads column j, or j - period
 // past the first `period` lanes: half-width rows, period a multiple of 16) straight into
-// TableLayout::even_odd_16 with the signs (in that order) and `flip` folded in: the bits of
-// load_table_row or spread_row, then fold_signs and split_even_odd_16, in one SSE2 pass instead of
-// three passes and a scratch row (BENCHMARKS.md, nineteenth session: 3-5% of a bf16 call in cache).
-// Each 16-lane chunk is read before it is written, so `out` may be the row itself (fp32, full
-// width).
+// TableLayout::even_odd_16 with the signs (in that order) and `flip` folded in and NaNs cleared:
+// the bits of load_table_row or spread_row, then fold_signs, split_even_odd_16 and
+// clear_nan_low_bits, in one SSE2 pass instead of four passes and a scratch row (BENCHMARKS.md,
+// nineteenth session: 3-5% of a bf16 call in cache). Each 16-lane chunk is read before it is
+// written, so `out` may be the row itself (fp32, full width).
 template <DType D>
 void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* signs,
                         std::uint32_t flip, int64_t rd, float* out) {
 #if defined(__SSE2__)
   const __m128 f = _mm_castsi128_ps(_mm_set1_epi32(int(flip)));
+  const __m128 quiet = _mm_castsi128_ps(_mm_set1_epi32(int(kNanQuietBit)));
+  const __m128 low = _mm_castsi128_ps(_mm_set1_epi32(int(kLowBits)));
   for (int64_t k = 0; k < rd; k += 16) {
     const int64_t column = k < period ? k : k - period;
     __m128 a[4];
@@ -936,8 +957,11 @@ void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* si
                              _mm_shuffle_ps(a[2], a[3], _MM_SHUFFLE(3, 1, 3, 1))};
     for (int v = 0; v < 4; ++v) {
       const __m128 s = _mm_loadu_ps(reinterpret_cast<const float*>(signs + k + 4 * v));
-      const __m128 folded = _mm_xor_ps(lanes[v], s);
-      _mm_storeu_ps(out + k + 4 * v, flip ? _mm_xor_ps(folded, f) : folded);
+      const __m128 folded = _mm_xor_ps(flip ? _mm_xor_ps(lanes[v], f) : lanes[v], s);
+      const __m128 nan = _mm_cmpunord_ps(folded, folded);
+      const __m128 cleared =
+          _mm_or_ps(_mm_andnot_ps(_mm_and_ps(nan, low), folded), _mm_and_ps(nan, quiet));
+      _mm_storeu_ps(out + k + 4 * v, cleared);
     }
   }
 #else
@@ -952,21 +976,17 @@ void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* si
       else
         chunk[i] = std::uint32_t(reinterpret_cast<const std::uint16_t*>(row)[c]) << 16;
     }
-    for (int i = 0; i < 16; ++i) dst[k + i] = chunk[i] ^ signs[k + i] ^ flip;
+    for (int i = 0; i < 16; ++i) dst[k + i] = nan_low_bits_cleared(chunk[i] ^ signs[k + i] ^ flip);
   }
 #endif
 }
 
 }  // namespace
 
-kernels::TableValues table_values(const ForwardPlan& plan) {
+bool table_nans_low_bits_zero(const ForwardPlan& plan, kernels::TableLayout layout) {
   const TablePlan& t = plan.tables;
-  auto is_16_bit = [](DType d) { return d == DType::bf16 || d == DType::f16; };
-  if (t.cos == nullptr || !is_16_bit(t.dtype_cos) || !is_16_bit(t.dtype_sin))
-    return kernels::TableValues::fp32;
-  return t.dtype_cos == DType::bf16 && t.dtype_sin == DType::bf16
-             ? kernels::TableValues::bf16
-             : kernels::TableValues::sixteen_bit;
+  return layout == kernels::TableLayout::even_odd_16 ||
+         (t.cos != nullptr && t.dtype_cos == DType::bf16 && t.dtype_sin == DType::bf16);
 }
 
 // Cache rows gathered by position are random reads: asks for the rows of token `ahead` tokens
@@ -1174,6 +1194,8 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
     if (even_odd && !even_odd_in_one_pass && !free_rows) {
       split_even_odd_16(row_cos, rd, c);
       split_even_odd_16(row_sin, rd, s);
+      clear_nan_low_bits(c, rd);
+      clear_nan_low_bits(s, rd);
     }
     std::fill(c + rd, c + stride, 0.0f);
     std::fill(s + rd, s + stride, 0.0f);

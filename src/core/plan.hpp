@@ -97,9 +97,10 @@ class MetadataOnly {
 // Whether a MetadataOnly is alive on this thread.
 bool metadata_only() noexcept;
 
-// What the plan's tables give the kernels (kernel_api.hpp's TableValues): table rows read from
-// 16-bit tables with at most signs folded in; fp32 for anything else (table-free rows).
-kernels::TableValues table_values(const ForwardPlan& plan);
+// Whether every NaN of the table rows prepare_table_tile gives a kernel wanting `layout` has 16
+// zero low bits (kernel_api.hpp: ForwardTile::table_nans_low_bits_zero): bf16 tables, or the
+// even/odd layout, whose rows prepare_table_tile clears.
+bool table_nans_low_bits_zero(const ForwardPlan& plan, kernels::TableLayout layout);
 
 // q_written = false: q.out is ignored (backward without dx).
 ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const Operand& q,

@@ -109,6 +109,7 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
   // capturing bindings).
   const detail::ForwardKernel kernel = detail::forward_kernel(inner, plan.dtype);
   const kernels::TableLayout layout = kernel.layout;
+  const bool nans_low_bits_zero = detail::table_nans_low_bits_zero(plan, layout);
 
   // One prepared row per sequence.
   const int64_t rd = inner.rotary_dim();
@@ -150,6 +151,7 @@ void rerotate_paged(const Rotation& rotation, const Tables& tables, const PagedK
       tile.sin = sin + blk.seq * stride;
       tile.table_step = 0;
       tile.dtype = v.dtype;
+      tile.table_nans_low_bits_zero = nans_low_bits_zero;
       char* base = static_cast<char*>(v.data) + blk.block * v.strides[0] * es;
       if (flat) {
         tile.x = tile.y = base;

@@ -78,9 +78,9 @@ struct Executor {
   std::int64_t parts;         // ranges each tile's rows are cut into (few tokens, many threads)
   std::int64_t table_stride;  // floats per prepared table row
   kernels::TableLayout layout;
-  bool large_output;  // larger than 3/4 of one thread's share of the L3: stream it
-  bool token_runs;    // the kernel takes several tokens per call
-  kernels::TableValues table_values;
+  bool large_output;              // larger than 3/4 of one thread's share of the L3: stream it
+  bool token_runs;                // the kernel takes several tokens per call
+  bool table_nans_low_bits_zero;  // kernel_api.hpp: ForwardTile
 
   std::int64_t items() const { return plan->outer_total / line_length * tiles_per_line * parts; }
   void run(std::int64_t begin, std::int64_t end) const;
@@ -148,7 +148,7 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   tile.dtype = p.dtype;
   tile.copy_passthrough = !op.in_place && p.rotation->head_dim > p.rotation->rotary_dim;
   tile.stream = large_output && !op.in_place;
-  tile.table_values = table_values;
+  tile.table_nans_low_bits_zero = table_nans_low_bits_zero;
   if (head_major(op, tokens)) {
     // One call per head: its rows over the tile's tokens, one table row each.
     tile.table_step = table_stride;
@@ -320,7 +320,7 @@ void rope_forward(const Rotation& rotation, const Tables& tables, const Operand&
   // Non-temporal stores pay only when the output cannot stay in the last-level cache, and never
   // in place: there they would evict the lines just read (on some CPUs serialising every line).
   ex.large_output = detail::outgrows_cache_share(plan.bytes_moved / 2);
-  ex.table_values = detail::table_values(plan);
+  ex.table_nans_low_bits_zero = detail::table_nans_low_bits_zero(plan, ex.layout);
 
   if (threads <= 1 || ex.items() == 1) {
     // detail::parallel_for would run it inline: no counter (a lock and an allocation) needed.

@@ -9,13 +9,6 @@
 
 namespace rome::kernels {
 
-// What the core knows of a tile's table values.
-enum class TableValues : std::uint8_t {
-  fp32,         // any fp32 values (fp32 tables, table-free results, tables times a norm weight)
-  sixteen_bit,  // cos and sin each read from a bf16 or fp16 table (signs folded, nothing else)
-  bf16,         // cos and sin both read from bf16 tables
-};
-
 // A tile: `count` rows of one operand, handed over by the core's executor. Row n reads
 // x + n·x_step and writes y + n·y_step (bytes; y may equal x: in place, never a partial
 // overlap) with the table rows cos + n·table_step and sin + n·table_step (floats; 0: one table
@@ -37,10 +30,13 @@ struct ForwardTile {
   // x_token_step: the kernel prefetches the next tokens' rows by it (0: along the rows).
   std::int64_t tokens = 1;
   std::int64_t x_token_step = 0, y_token_step = 0, table_token_step = 0;
-  DType dtype;               // of x and y
-  bool copy_passthrough;     // out of place: copy lanes [rotary_dim, head_dim) from x to y
-  bool stream;               // non-temporal stores where rows are aligned (never set in place)
-  TableValues table_values;  // a value-initialised tile says fp32
+  DType dtype;            // of x and y
+  bool copy_passthrough;  // out of place: copy lanes [rotary_dim, head_dim) from x to y
+  bool stream;            // non-temporal stores where rows are aligned (never set in place)
+  // Every NaN of the table rows has 16 zero low bits: rows read from bf16 tables, or rows the core
+  // prepared in TableLayout::even_odd_16 order (it quietens their NaNs and clears those bits;
+  // plan.cpp). A value-initialised tile promises nothing.
+  bool table_nans_low_bits_zero;
 
   const void* x_row(std::int64_t n) const { return x + n * x_step; }
   void* y_row(std::int64_t n) const { return y + n * y_step; }
@@ -71,11 +67,11 @@ constexpr bool single_fma_epilogue(DType x) {
   return x == DType::bf16 || x == DType::f16;
 }
 
-// bf16 x and bf16 tables: every input has 16 zero low bits, and so has every NaN the one-fma
-// epilogue returns (an input's payload, quietened, or the default NaN). Rounding such a NaN to
-// bf16 leaves its high half unchanged, so a kernel may narrow without a NaN case.
+// bf16 x and table rows whose NaNs have 16 zero low bits: so has every NaN the one-fma epilogue
+// returns (an input's payload, quietened, or the default NaN). Rounding such a NaN to bf16 leaves
+// its high half unchanged, so a kernel may narrow without a NaN case.
 inline bool nan_results_low_bits_zero(const ForwardTile& tile) {
-  return tile.dtype == DType::bf16 && tile.table_values == TableValues::bf16;
+  return tile.dtype == DType::bf16 && tile.table_nans_low_bits_zero;
 }
 
 // y = (x·A) ⊙ cos + (x·B) ⊙ sin for every row of the tile; math in fp32, one rounding.

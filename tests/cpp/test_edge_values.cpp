@@ -144,6 +144,9 @@ TEST_P(OneFmaEpilogue, SpecialValuesMatchScalarBitForBit) {
   x.set({1, 9}, -inf);
   set_bits(tables.cos, {2, 5}, nan_bits(c.table_dtype, 0));
   set_bits(tables.sin, {3, 9}, nan_bits(c.table_dtype, 1));
+  // Signalling, its payload in the low 16 bits (fp32) or in the bits an fp32 widening puts there
+  // (fp16): bf16 rows that narrow without a NaN case must still give a NaN, not an infinity.
+  set_bits(tables.cos, {3, 1}, nan_bits(c.table_dtype, 2));
   tables.sin.set({2, 1}, inf);
   x.set({4, 5}, inf);
   tables.cos.set({4, through_a(5)}, 0.0);  // inf·0: the default NaN
@@ -181,6 +184,7 @@ TEST_P(OneFmaEpilogue, SpecialValuesMatchScalarBitForBit) {
   EXPECT_TRUE(std::isnan(expected.first.get({1, through_a(1)})));
   EXPECT_TRUE(std::isnan(expected.first.get({2, 5})));
   EXPECT_TRUE(std::isnan(expected.first.get({3, 9})));
+  EXPECT_TRUE(std::isnan(expected.first.get({3, 1})));
   EXPECT_TRUE(std::isnan(expected.first.get({4, through_a(5)})));
   if (c.x_dtype == DType::bf16) {
     EXPECT_EQ(bits_at(expected.first, 1 * rd + through_a(1)), 0x7fc1u);
