@@ -4,7 +4,8 @@
 // tile the rows go in the order that walks memory contiguously (Executor::head_major): BNSD-like
 // layouts one head at a time over the tile's tokens (a run of several KB), BSND and packed
 // [T, H·D] layouts one token at a time over its heads, a permute kernel taking all the tile's
-// tokens in one call. Tiles of few tokens go token by token whatever the layout.
+// tokens in one call. For permute kernels, tiles of fewer than kHeadMajorTokens tokens go token by
+// token whatever the layout.
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>

@@ -47,7 +47,7 @@ constexpr std::int64_t kMinParallelBytesAvx2 = 256 * 1024;  // and the scalar ke
 constexpr std::int64_t kMinParallelBytesBackward = 256 * 1024;
 
 // The forward threshold of the active ISA.
-inline std::int64_t min_parallel_bytes() noexcept {
+inline std::int64_t default_min_parallel_bytes() noexcept {
   return active_isa() >= Isa::avx512 ? kMinParallelBytesAvx512 : kMinParallelBytesAvx2;
 }
 
@@ -57,7 +57,7 @@ inline int threads_for_bytes(const ExecOptions& options, std::int64_t bytes, int
                              std::int64_t default_floor = -1) {
   const std::int64_t floor = options.min_parallel_bytes >= 0 ? options.min_parallel_bytes
                              : default_floor >= 0            ? default_floor
-                                                             : min_parallel_bytes();
+                                                             : default_min_parallel_bytes();
   return bytes < floor ? 1 : threads;
 }
 

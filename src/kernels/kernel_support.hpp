@@ -45,7 +45,8 @@ class Scratch {
 // BENCHMARKS.md). Else the same head of the token about 16 rows later: 4 KiB further along a
 // packed qkv token lands on its v heads, which nobody reads, and 4 KiB (16 tokens) along BNSD
 // rows taken token by token is 384 rows ahead, evicted from L1 before they are read (3D 44/44/40
-// in place, 1 thread: 1.90-2.03x the copy, one token ahead 1.33-1.69x).
+// in place, 1 thread: 1.90-2.03x the copy, one token ahead 1.33-1.69x; measured when large BNSD
+// tiles went token by token, which only tiles under 32 tokens still do).
 ROME_INLINE std::int64_t prefetch_distance(const ForwardTile& tile) {
   constexpr std::int64_t kBytes = 4096, kRows = 16;
   const std::int64_t step = tile.x_token_step;

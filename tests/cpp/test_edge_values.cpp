@@ -68,7 +68,8 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, EdgeValues,
                                             ::testing::Values(DType::f32, DType::f16,
                                                               DType::bf16)));
 
-// The one-fma epilogue (16-bit x) and the bf16 narrowing without a NaN case (bf16 x, bf16 tables),
+// The one-fma epilogue (16-bit x) and the bf16 narrowing without a NaN case (bf16 x, and bf16
+// tables or even/odd rows the core prepared from fp32 / fp16 tables, NaN low bits cleared),
 // bit for bit against the scalar kernel on every ISA, with NaNs (signalling, payloads, both
 // signs) in x and in either table, infinities, inf·0, subnormal products, cancelling terms and
 // overflow. One NaN source per output lane, so no result depends on which NaN an fma keeps. An

@@ -33,7 +33,8 @@ struct ExecutorCase {
 
 // q and k [B, N, S, D] unless the name says otherwise; D = 64. Permute kernels walk BNSD tiles of
 // at least 32 tokens head by head (the default tiles of bnsd_gqa, bnsd_batch_tables and
-// bnsd_tokens_reversed) and smaller tiles token by token (the forced ones).
+// bnsd_tokens_reversed on one thread) and smaller tiles token by token (the forced ones, and the
+// default tiles of several threads, cut to 5-10 tokens).
 const std::vector<ExecutorCase>& cases() {
   static const std::vector<ExecutorCase> c = {
       {"bnsd_gqa", {2, 6, 37, 64}, {2, 2, 37, 64}, {}, {}, {37, 64}},
