@@ -115,12 +115,10 @@ struct Avx2 {
   static ROME_INLINE F combine_one_fma(F xa, F c, F xb, F s) {
     return avx2::combine_one_fma(xa, c, xb, s);
   }
-  static ROME_INLINE void epilogue_pair(bool one_fma, F a0, F c0, F b0, F s0, F a1, F c1, F b1,
-                                        F s1, F& out0, F& out1) {
-    if (one_fma)
-      kernels::epilogue_pair<true>(a0, c0, b0, s0, a1, c1, b1, s1, out0, out1);
-    else
-      kernels::epilogue_pair<false>(a0, c0, b0, s0, a1, c1, b1, s1, out0, out1);
+  template <bool kOneFma>
+  static ROME_INLINE void epilogue_pair(F a0, F c0, F b0, F s0, F a1, F c1, F b1, F s1, F& out0,
+                                        F& out1) {
+    kernels::epilogue_pair<kOneFma>(a0, c0, b0, s0, a1, c1, b1, s1, out0, out1);
   }
   static ROME_INLINE F swap_pairs(F x) { return _mm256_permute_ps(x, 0xb1); }
   static ROME_INLINE F permute(F x, Index idx, Mask mask) {

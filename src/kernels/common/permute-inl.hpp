@@ -20,9 +20,10 @@
 // Traits I: F (kLanes fp32 lanes); Count (lanes of a vector: a count or a mask) with kAll,
 // lanes(n) (the first n) and bits(Count); Index / Mask (a vector's permute index and the lanes
 // it fills) with index(const int32_t*) and mask(uint32_t); load / store (aligned fp32);
-// combine, combine_one_fma, epilogue_pair (rows_xor_move only); swap_pairs, permute(x, Index,
-// Mask); GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch, copy_bytes,
-// fence, equal_bytes. Storage-type lanes L: T, load / store (whole or Count lanes), stream.
+// combine, combine_one_fma, epilogue_pair<kOneFma> (rows_xor_move only); swap_pairs, permute(x,
+// Index, Mask); GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch,
+// copy_bytes, fence, equal_bytes. Storage-type lanes L: T, load / store (whole or Count lanes),
+// stream.
 #pragma once
 
 #include <cstdint>
@@ -196,7 +197,7 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
         const auto cv = I::load(row.C + kW * v), sv = I::load(row.S + kW * v);
         const auto cu = I::load(row.C + kW * u), su = I::load(row.S + kW * u);
         decltype(I::load(row.C)) out_v, out_u;
-        I::epilogue_pair(kOneFmaRows<L>, a, cv, b, sv, b, cu, a, su, out_v, out_u);
+        I::template epilogue_pair<kOneFmaRows<L>>(a, cv, b, sv, b, cu, a, su, out_v, out_u);
         put<L>(w, stream, row.y, v, out_v);
         put<L>(w, stream, row.y, u, out_u);
       }
