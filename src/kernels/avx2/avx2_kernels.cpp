@@ -621,10 +621,10 @@ template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
   forward_tile<Plan>(r, tile, build_plan,
                      [&](Kind kind, const Work& w, const ForwardTile& run) ROME_INLINE_LAMBDA {
-                       if (D == DType::bf16 && nan_results_low_bits_zero(run))
-                         dispatch_rows<RowLanes<D, D == DType::bf16>>(kind, w, run);
-                       else
-                         dispatch_rows<RowLanes<D, false>>(kind, w, run);
+                       if constexpr (D == DType::bf16)
+                         if (nan_results_low_bits_zero(run))
+                           return dispatch_rows<RowLanes<D, true>>(kind, w, run);
+                       dispatch_rows<RowLanes<D, false>>(kind, w, run);
                      });
 }
 
