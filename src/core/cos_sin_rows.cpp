@@ -37,10 +37,12 @@ void exact_cos_sin_rows(std::span<const std::int64_t> positions,
     float* const co = cos + std::int64_t(r0) * 2 * n;
     float* const so = sin + std::int64_t(r0) * 2 * n;
     if (!pairs_layout) {
-      kernels.cos_sin_rows(m, block, n, frequencies.data(), amplitude, true, 2 * n, co, so);
+      kernels.cos_sin_rows(m, block, n, frequencies.data(), amplitude, true, nullptr, nullptr,
+                           2 * n, co, so);
       continue;
     }
-    kernels.cos_sin_rows(m, block, n, frequencies.data(), amplitude, false, n, c.data(), s.data());
+    kernels.cos_sin_rows(m, block, n, frequencies.data(), amplitude, false, nullptr, nullptr, n,
+                         c.data(), s.data());
     for (std::int64_t e = 0; e < m * n; ++e) {
       co[2 * e] = co[2 * e + 1] = c[std::size_t(e)];
       so[2 * e] = so[2 * e + 1] = s[std::size_t(e)];

@@ -786,7 +786,8 @@ TableRow table_free_row(const ForwardPlan& plan, const int64_t* outer, float* co
   if (!t.column_axis && plan.rotation->lane_frequency_halves && rd == 2 * n) {
     // Half: each frequency's values straight into the row's two halves.
     const double position = double(position_at(t, op));
-    t.cos_sin_rows(1, &position, n, t.frequencies, t.amplitude, true, rd, cos, sin);
+    t.cos_sin_rows(1, &position, n, t.frequencies, t.amplitude, true, nullptr, nullptr, rd, cos,
+                   sin);
     return {cos, sin};
   }
   constexpr int64_t kStack = 256;
@@ -1141,7 +1142,27 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
   const bool free_rows = t.frequencies && !t.column_axis && r.lane_frequency_halves &&
                          rd == 2 * t.columns &&
                          (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty()));
+  // Unless each half is whole 16-lane chunks: then every chunk of the second half holds the
+  // frequencies of its twin in the first, so the rows kernel takes them in the even/odd order
+  // and folds the signs as it stores, and no pass over the rows follows (about 10% of a
+  // table-free bf16 call, BENCHMARKS.md, twenty-second session). negate_sin becomes negated
+  // frequencies: the kernel's sin is odd and its cos even bit for bit (symmetric reduction and
+  // polynomials).
+  const bool free_rows_in_order = free_rows && even_odd && t.columns % 16 == 0;
   if (free_rows) {
+    const double* frequencies = t.frequencies;
+    const std::uint32_t* cos_signs = nullptr;
+    const std::uint32_t* sin_signs = nullptr;
+    thread_local std::vector<double> in_order;
+    if (free_rows_in_order) {
+      in_order.resize(std::size_t(t.columns));
+      split_even_odd_16(t.frequencies, t.columns, in_order.data());
+      if (t.negate_sin)
+        for (double& f : in_order) f = -f;
+      frequencies = in_order.data();
+      cos_signs = cos_bits ? r.cos_sign_bits_even_odd_16.data() : nullptr;
+      sin_signs = r.sin_sign_bits_even_odd_16.data();
+    }
     constexpr int64_t kBlock = 32;
     double block[kBlock];
     for (int64_t i0 = 0; i0 < tokens; i0 += kBlock) {
@@ -1150,8 +1171,8 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
         if (last >= 0) outer[last] = first + i0 + i;
         block[i] = double(position_at(t, positions_offset(plan, outer)));
       }
-      t.cos_sin_rows(m, block, t.columns, t.frequencies, t.amplitude, true, stride,
-                     cos + i0 * stride, sin + i0 * stride);
+      t.cos_sin_rows(m, block, t.columns, frequencies, t.amplitude, true, cos_signs, sin_signs,
+                     stride, cos + i0 * stride, sin + i0 * stride);
     }
   }
   for (int64_t i = 0; i < tokens; ++i) {
@@ -1178,6 +1199,8 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
         spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
                    folded_sin);
       }
+    } else if (free_rows_in_order) {
+      // Written whole by the rows kernel above.
     } else if (free_rows && even_odd) {
       spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(c), rd,
                                      r.cos_sign_bits_even_odd_16.data(), 0u, rd, c);

@@ -122,9 +122,12 @@ using CosSinFn = void (*)(std::int64_t n, const double* position, const double* 
 
 // Whole rows of the same values: for r < rows and i < n, θ = position[r]·frequency[i]:
 // cos[r·stride + i] = CosSinFn's cos of θ, sin likewise, and with repeat_halves the same values
-// again at r·stride + n + i (the half layout's second half). Same bits as CosSinFn.
+// again at r·stride + n + i (the half layout's second half). Same bits as CosSinFn, except that
+// each written lane l of a row has its bits xor-ed with cos_signs[l] / sin_signs[l] (l < n, or
+// 2n with repeat_halves); a null array xors nothing.
 using CosSinRowsFn = void (*)(std::int64_t rows, const double* position, std::int64_t n,
                               const double* frequency, double amplitude, bool repeat_halves,
+                              const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                               std::int64_t stride, float* cos, float* sin);
 
 // out[i] = the bf16 bits of in[i], for i < n: round to nearest even, NaN quietened, subnormals
@@ -165,12 +168,15 @@ void avx512_cos_sin(std::int64_t n, const double* position, const double* freque
                     double amplitude, float* cos, float* sin);
 void scalar_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
                          const double* frequency, double amplitude, bool repeat_halves,
+                         const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                          std::int64_t stride, float* cos, float* sin);
 void avx2_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
                        const double* frequency, double amplitude, bool repeat_halves,
+                       const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                        std::int64_t stride, float* cos, float* sin);
 void avx512_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
                          const double* frequency, double amplitude, bool repeat_halves,
+                         const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                          std::int64_t stride, float* cos, float* sin);
 
 void avx2_forward_norm_permute(const detail::RotationData& rotation, const ForwardTile& tile,

@@ -86,40 +86,58 @@ TEST(TableFreeKernel, ExactToFp32AtLongPositionsOnEveryIsa) {
   }
 }
 
-// The rows kernel: for every ISA, row width (vector multiples and tails), amplitude and both
-// layouts, the bits of the element-wise kernel at each (position, frequency); the lanes between
-// rows (stride past the row) stay as they were.
+// The rows kernel: for every ISA, row width (vector multiples and tails), amplitude, both
+// layouts and sign words (none, sin only, both), the bits of the element-wise kernel at each
+// (position, frequency) xor-ed with the lane's sign word; the lanes between rows (stride past
+// the row) stay as they were.
 TEST(TableFreeKernel, RowsKernelMatchesTheElementwiseBits) {
   std::mt19937_64 rng(12);
   std::uniform_int_distribution<std::int64_t> any_position(-20000000, 20000000);
   std::uniform_real_distribution<double> any_frequency(0.0, 1.0);
   for (std::int64_t n : {1, 3, 7, 8, 16, 22, 32, 64, 65})
     for (bool repeat : {false, true})
-      for (double amplitude : {1.0, 0.75}) {
-        const std::int64_t rows = 5, width = repeat ? 2 * n : n, stride = width + 3;
-        std::vector<double> position(rows), frequency(n);
-        for (double& p : position) p = double(any_position(rng));
-        for (double& f : frequency) f = any_frequency(rng);
-        std::vector<float> want_cos(rows * stride, NAN), want_sin(rows * stride, NAN);
-        for (std::int64_t r = 0; r < rows; ++r) {
-          const std::vector<double> p(n, position[r]);
-          kernels::scalar_cos_sin(n, p.data(), frequency.data(), amplitude, &want_cos[r * stride],
-                                  &want_sin[r * stride]);
-          if (repeat) {
-            std::copy_n(&want_cos[r * stride], n, &want_cos[r * stride + n]);
-            std::copy_n(&want_sin[r * stride], n, &want_sin[r * stride + n]);
+      for (double amplitude : {1.0, 0.75})
+        for (int signed_sides : {0, 1, 2}) {
+          const std::int64_t rows = 5, width = repeat ? 2 * n : n, stride = width + 3;
+          std::vector<double> position(rows), frequency(n);
+          for (double& p : position) p = double(any_position(rng));
+          for (double& f : frequency) f = any_frequency(rng);
+          // Sign words as the core folds them (the sign bit), plus a low bit that a kernel
+          // applying only the sign would lose.
+          std::vector<std::uint32_t> cos_signs(width), sin_signs(width);
+          for (std::uint32_t& w : cos_signs) w = (rng() & 1 ? 0x80000000u : 0u) | (rng() & 1);
+          for (std::uint32_t& w : sin_signs) w = (rng() & 1 ? 0x80000000u : 0u) | (rng() & 1);
+          const std::uint32_t* cs = signed_sides == 2 ? cos_signs.data() : nullptr;
+          const std::uint32_t* ss = signed_sides >= 1 ? sin_signs.data() : nullptr;
+          std::vector<float> want_cos(rows * stride, NAN), want_sin(rows * stride, NAN);
+          auto xor_bits = [](float& v, const std::uint32_t* signs, std::int64_t lane) {
+            if (signs) v = std::bit_cast<float>(std::bit_cast<std::uint32_t>(v) ^ signs[lane]);
+          };
+          for (std::int64_t r = 0; r < rows; ++r) {
+            float* const wc = &want_cos[r * stride];
+            float* const ws = &want_sin[r * stride];
+            const std::vector<double> p(n, position[r]);
+            kernels::scalar_cos_sin(n, p.data(), frequency.data(), amplitude, wc, ws);
+            if (repeat) {
+              std::copy_n(wc, n, wc + n);
+              std::copy_n(ws, n, ws + n);
+            }
+            for (std::int64_t lane = 0; lane < width; ++lane) {
+              xor_bits(wc[lane], cs, lane);
+              xor_bits(ws[lane], ss, lane);
+            }
+          }
+          for (const kernels::KernelTable* table : kernel_tables()) {
+            std::vector<float> c(rows * stride, NAN), s(rows * stride, NAN);
+            table->cos_sin_rows(rows, position.data(), n, frequency.data(), amplitude, repeat, cs,
+                                ss, stride, c.data(), s.data());
+            const std::string what = std::string(table->name) + " n " + std::to_string(n) +
+                                     (repeat ? " halves" : "") + " signed sides " +
+                                     std::to_string(signed_sides);
+            ASSERT_EQ(0, std::memcmp(c.data(), want_cos.data(), c.size() * sizeof(float))) << what;
+            ASSERT_EQ(0, std::memcmp(s.data(), want_sin.data(), s.size() * sizeof(float))) << what;
           }
         }
-        for (const kernels::KernelTable* table : kernel_tables()) {
-          std::vector<float> c(rows * stride, NAN), s(rows * stride, NAN);
-          table->cos_sin_rows(rows, position.data(), n, frequency.data(), amplitude, repeat, stride,
-                              c.data(), s.data());
-          ASSERT_EQ(0, std::memcmp(c.data(), want_cos.data(), c.size() * sizeof(float)))
-              << table->name << " n " << n << (repeat ? " halves" : "");
-          ASSERT_EQ(0, std::memcmp(s.data(), want_sin.data(), s.size() * sizeof(float)))
-              << table->name << " n " << n << (repeat ? " halves" : "");
-        }
-      }
 }
 
 // The builder narrows its fp32 rows with the vectorised to_bf16_bits (the active ISA's kernel):
@@ -173,6 +191,10 @@ std::vector<NamedRotation> rotations() {
   }
   for (int j = 0; j < 32; ++j) mla.push_back(j % 16);
   out.push_back({"half64", Rotation::half(64), half});
+  // Halves of 24 lanes, not whole 16-lane chunks: the even/odd rows are split after the kernel.
+  std::vector<int> half48;
+  for (int j = 0; j < 48; ++j) half48.push_back(j % 24);
+  out.push_back({"half48", Rotation::half(48), half48});
   out.push_back({"interleave64", Rotation::interleave(64), inter});
   out.push_back({"quarter64", Rotation::quarter(64), quarter});
   out.push_back({"blocks_22_22_20",

@@ -39,6 +39,9 @@ struct Avx2Traits {
   }
   static F select_by_sign(F m, F a, F b) { return _mm256_blendv_ps(a, b, m); }
   static F flip_sign(F x, F m) { return _mm256_xor_ps(x, _mm256_and_ps(m, _mm256_set1_ps(-0.0f))); }
+  static F load_bits(const std::uint32_t* p) {
+    return _mm256_castsi256_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  }
   static void store(float* p, F v) { _mm256_storeu_ps(p, v); }
 };
 
@@ -51,9 +54,10 @@ void avx2_cos_sin(std::int64_t n, const double* position, const double* frequenc
 
 void avx2_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
                        const double* frequency, double amplitude, bool repeat_halves,
+                       const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                        std::int64_t stride, float* cos, float* sin) {
   cos_sin_common::cos_sin_rows<Avx2Traits>(rows, position, n, frequency, amplitude, repeat_halves,
-                                           stride, cos, sin);
+                                           cos_signs, sin_signs, stride, cos, sin);
 }
 
 }  // namespace rome::kernels

@@ -45,6 +45,7 @@ struct Avx512Traits {
     return _mm512_mask_blend_ps(_mm512_movepi32_mask(_mm512_castps_si512(m)), a, b);
   }
   static F flip_sign(F x, F m) { return _mm512_xor_ps(x, _mm512_and_ps(m, _mm512_set1_ps(-0.0f))); }
+  static F load_bits(const std::uint32_t* p) { return _mm512_castsi512_ps(_mm512_loadu_si512(p)); }
   static void store(float* p, F v) { _mm512_storeu_ps(p, v); }
 };
 
@@ -57,9 +58,10 @@ void avx512_cos_sin(std::int64_t n, const double* position, const double* freque
 
 void avx512_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
                          const double* frequency, double amplitude, bool repeat_halves,
+                         const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                          std::int64_t stride, float* cos, float* sin) {
   cos_sin_common::cos_sin_rows<Avx512Traits>(rows, position, n, frequency, amplitude, repeat_halves,
-                                             stride, cos, sin);
+                                             cos_signs, sin_signs, stride, cos, sin);
 }
 
 }  // namespace rome::kernels

@@ -64,6 +64,7 @@ struct ScalarTraits {
   static F flip_sign(F x, F m) {
     return per_lane([&](int i) { return from_bits(bits(x.v[i]) ^ (bits(m.v[i]) & 0x80000000u)); });
   }
+  static F load_bits(const std::uint32_t* p) { return {{from_bits(p[0]), from_bits(p[1])}}; }
   static void store(float* p, F x) {
     p[0] = x.v[0];
     p[1] = x.v[1];
@@ -79,9 +80,10 @@ void scalar_cos_sin(std::int64_t n, const double* position, const double* freque
 
 void scalar_cos_sin_rows(std::int64_t rows, const double* position, std::int64_t n,
                          const double* frequency, double amplitude, bool repeat_halves,
+                         const std::uint32_t* cos_signs, const std::uint32_t* sin_signs,
                          std::int64_t stride, float* cos, float* sin) {
   cos_sin_common::cos_sin_rows<ScalarTraits>(rows, position, n, frequency, amplitude, repeat_halves,
-                                             stride, cos, sin);
+                                             cos_signs, sin_signs, stride, cos, sin);
 }
 
 }  // namespace rome::kernels
