@@ -9,7 +9,9 @@ are built), RoME's table builders (``rome.tables.rope_table``, math in double) a
 
 Speed (same process, same threads, medians): the seed tensor x [1, 24, S, 128] bf16, half, in
 place, with a precomputed fp32 table [S, 128] (``rope_``) and table-free (``rope_from_positions_``
-with positions ``arange(S)``), against a copy of x; and one Llama-3.1-8B decode step (q [1, 32,
+with positions ``arange(S)``), against a copy of x, the three round-robin (one sample of each
+per round; the ratios are medians of the rounds' ratios, so a burst of other work on a shared
+machine hits both sides of a ratio); and one Llama-3.1-8B decode step (q [1, 32,
 1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways; and a transformers Llama rotary
 module (head_dim 128, θ = 500000) at S = 1, 4096, 32768, unpatched and with ``rome.hf.patch_model``
 (``rome.tables.cos_sin``; its outputs are allocated on every call, as the module's are), the
@@ -20,6 +22,7 @@ start-up (pools warm).
 """
 
 import statistics
+import time
 from typing import Callable, Dict
 
 import torch
@@ -65,6 +68,24 @@ def _median_ms(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
     return median_per_call_s(fn, samples, inner) * 1e3
 
 
+def _round_robin_ms(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
+    """Per name the median ms over `rounds` rounds of one call each (after one warm-up call),
+    and the medians of the per-round ratios table_free / table and table_free / copy."""
+    for fn in fns.values():
+        fn()
+    ms: Dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ms[key].append((time.perf_counter() - t0) * 1e3)
+    out = {k: statistics.median(v) for k, v in ms.items()}
+    for name in ("table", "copy"):
+        out[f"free_over_{name}"] = statistics.median(
+            f / t for f, t in zip(ms["table_free"], ms[name]))
+    return out
+
+
 def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None] = print) -> Dict:
     progress("table-free: precision")
     precision = [dict(position=p - 1, **_errors(torch.tensor([p - 1]))) for p in POSITIONS]
@@ -88,10 +109,12 @@ def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None
                 torch.set_num_threads(threads)
                 progress(f"table-free: seed tensor S={S} and a decode step, {threads} thread(s)")
                 row = {"threads": threads}
-                row["copy"] = _median_ms(lambda: y.copy_(x), samples)
-                row["table"] = _median_ms(lambda: torch.ops.rome.rope_(x, None, cos, sin), samples)
-                row["table_free"] = _median_ms(
-                    lambda: torch.ops.rome.rope_from_positions_(x, None, positions, inv), samples)
+                row.update(_round_robin_ms({
+                    "copy": lambda: y.copy_(x),
+                    "table": lambda: torch.ops.rome.rope_(x, None, cos, sin),
+                    "table_free": lambda: torch.ops.rome.rope_from_positions_(
+                        x, None, positions, inv),
+                }, rounds=2 * samples + 1))
                 row["decode_table_us"] = 1e3 * _median_ms(
                     lambda: torch.ops.rome.rope_(q1, k1, c1, s1), samples, inner=500)
                 row["decode_table_free_us"] = 1e3 * _median_ms(
@@ -148,14 +171,14 @@ def markdown(res: Dict) -> str:
         f"### Table-free RoPE: speed ({res['isa']}; x [1, 24, {res['seq']}, 128] bf16 half in place; "
         "decode: q [1, 32, 1, 128] + k [1, 8, 1, 128] bf16)",
         "",
-        "| threads | copy ms | fp32 table ms | table-free ms | table-free / table | "
-        "table-free / copy | decode, table µs | decode, table-free µs |",
+        "| threads | copy ms | fp32 table ms | table-free ms | table-free / table (paired) | "
+        "table-free / copy (paired) | decode, table µs | decode, table-free µs |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["speed"]:
         lines.append(
             f"| {r['threads']} | {r['copy']:.2f} | {r['table']:.2f} | {r['table_free']:.2f} | "
-            f"{r['table_free'] / r['table']:.2f}x | {r['table_free'] / r['copy']:.2f}x | "
+            f"{r['free_over_table']:.2f}x | {r['free_over_copy']:.2f}x | "
             f"{r['decode_table_us']:.1f} | {r['decode_table_free_us']:.1f} |")
     if res["speed"] and res["speed"][0].get("rotary"):
         lines += ["", "transformers' Llama rotary module (bf16 x, head_dim 128): ms per call, "
