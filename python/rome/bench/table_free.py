@@ -12,7 +12,8 @@ place, with a precomputed fp32 table [S, 128] (``rope_``) and table-free (``rope
 with positions ``arange(S)``), against a copy of x, the three round-robin (one sample of each
 per round; the ratios are medians of the rounds' ratios, so a burst of other work on a shared
 machine hits both sides of a ratio); and one Llama-3.1-8B decode step (q [1, 32,
-1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways; and a transformers Llama rotary
+1, 128] + k [1, 8, 1, 128] bf16 at position 10^6) both ways, round-robin as well (500 calls a
+sample); and a transformers Llama rotary
 module (head_dim 128, θ = 500000) at S = 1, 4096, 32768, unpatched and with ``rome.hf.patch_model``
 (``rome.tables.cos_sin``; its outputs are allocated on every call, as the module's are), the
 two alternately, one sample each per round.
@@ -68,22 +69,26 @@ def _median_ms(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
     return median_per_call_s(fn, samples, inner) * 1e3
 
 
-def _round_robin_ms(fns: Dict[str, Callable[[], object]], rounds: int) -> Dict[str, float]:
-    """Per name the median ms over `rounds` rounds of one call each (after one warm-up call),
-    and the medians of the per-round ratios table_free / table and table_free / copy."""
+def _round_robin_ms(fns: Dict[str, Callable[[], object]], rounds: int,
+                    inner: int = 1) -> Dict[str, list]:
+    """Per name the ms per call of each of `rounds` rounds, every name sampled once per round
+    (`inner` back-to-back calls; after `inner` warm-up calls each)."""
     for fn in fns.values():
-        fn()
+        for _ in range(inner):
+            fn()
     ms: Dict[str, list] = {k: [] for k in fns}
     for _ in range(rounds):
         for key, fn in fns.items():
             t0 = time.perf_counter()
-            fn()
-            ms[key].append((time.perf_counter() - t0) * 1e3)
-    out = {k: statistics.median(v) for k, v in ms.items()}
-    for name in ("table", "copy"):
-        out[f"free_over_{name}"] = statistics.median(
-            f / t for f, t in zip(ms["table_free"], ms[name]))
-    return out
+            for _ in range(inner):
+                fn()
+            ms[key].append((time.perf_counter() - t0) * 1e3 / inner)
+    return ms
+
+
+def _paired(ms: Dict[str, list], over: str, under: str) -> float:
+    """The median of the rounds' ratios ms[over] / ms[under]."""
+    return statistics.median(a / b for a, b in zip(ms[over], ms[under]))
 
 
 def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None] = print) -> Dict:
@@ -109,17 +114,22 @@ def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None
                 torch.set_num_threads(threads)
                 progress(f"table-free: seed tensor S={S} and a decode step, {threads} thread(s)")
                 row = {"threads": threads}
-                row.update(_round_robin_ms({
+                ms = _round_robin_ms({
                     "copy": lambda: y.copy_(x),
                     "table": lambda: torch.ops.rome.rope_(x, None, cos, sin),
                     "table_free": lambda: torch.ops.rome.rope_from_positions_(
                         x, None, positions, inv),
-                }, rounds=2 * samples + 1))
-                row["decode_table_us"] = 1e3 * _median_ms(
-                    lambda: torch.ops.rome.rope_(q1, k1, c1, s1), samples, inner=500)
-                row["decode_table_free_us"] = 1e3 * _median_ms(
-                    lambda: torch.ops.rome.rope_from_positions_(q1, k1, p1, inv), samples,
-                    inner=500)
+                }, rounds=2 * samples + 1)
+                row.update({k: statistics.median(v) for k, v in ms.items()})
+                row["free_over_table"] = _paired(ms, "table_free", "table")
+                row["free_over_copy"] = _paired(ms, "table_free", "copy")
+                ms = _round_robin_ms({
+                    "table": lambda: torch.ops.rome.rope_(q1, k1, c1, s1),
+                    "table_free": lambda: torch.ops.rome.rope_from_positions_(q1, k1, p1, inv),
+                }, rounds=2 * samples + 1, inner=500)
+                row["decode_table_us"] = 1e3 * statistics.median(ms["table"])
+                row["decode_table_free_us"] = 1e3 * statistics.median(ms["table_free"])
+                row["decode_free_over_table"] = _paired(ms, "table_free", "table")
                 row["rotary"] = _rotary_module_times(quick, samples)
                 speed.append(row)
     finally:
@@ -172,14 +182,16 @@ def markdown(res: Dict) -> str:
         "decode: q [1, 32, 1, 128] + k [1, 8, 1, 128] bf16)",
         "",
         "| threads | copy ms | fp32 table ms | table-free ms | table-free / table (paired) | "
-        "table-free / copy (paired) | decode, table µs | decode, table-free µs |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "table-free / copy (paired) | decode, table µs | decode, table-free µs | "
+        "decode, table-free / table (paired) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["speed"]:
         lines.append(
             f"| {r['threads']} | {r['copy']:.2f} | {r['table']:.2f} | {r['table_free']:.2f} | "
             f"{r['free_over_table']:.2f}x | {r['free_over_copy']:.2f}x | "
-            f"{r['decode_table_us']:.1f} | {r['decode_table_free_us']:.1f} |")
+            f"{r['decode_table_us']:.1f} | {r['decode_table_free_us']:.1f} | "
+            f"{r['decode_free_over_table']:.2f}x |")
     if res["speed"] and res["speed"][0].get("rotary"):
         lines += ["", "transformers' Llama rotary module (bf16 x, head_dim 128): ms per call, "
                   "unpatched / patched (speed-up)", "",
