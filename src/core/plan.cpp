@@ -1142,26 +1142,36 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
   const bool free_rows = t.frequencies && !t.column_axis && r.lane_frequency_halves &&
                          rd == 2 * t.columns &&
                          (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty()));
-  // Unless each half is whole 16-lane chunks: then every chunk of the second half holds the
-  // frequencies of its twin in the first, so the rows kernel takes them in the even/odd order
-  // and folds the signs as it stores, and no pass over the rows follows (about 10% of a
-  // table-free bf16 call, BENCHMARKS.md, twenty-second session). negate_sin becomes negated
-  // frequencies: the kernel's sin is odd and its cos even bit for bit (symmetric reduction and
-  // polynomials).
-  const bool free_rows_in_order = free_rows && even_odd && t.columns % 16 == 0;
+  // Unless the rows kernel can write them finished: it folds the signs as it stores, and
+  // negate_sin becomes negated frequencies (the kernel's sin is odd and its cos even, bit for
+  // bit: symmetric reduction and polynomials). For the even/odd layout each half must be whole
+  // 16-lane chunks: then every chunk of the second half holds the frequencies of its twin in
+  // the first, and the kernel takes them in the even/odd order. The pass over the rows it saves
+  // was about 10% of a table-free bf16 call (BENCHMARKS.md, twenty-second session).
+  const bool free_rows_finished = free_rows && (!even_odd || t.columns % 16 == 0);
   if (free_rows) {
     const double* frequencies = t.frequencies;
     const std::uint32_t* cos_signs = nullptr;
     const std::uint32_t* sin_signs = nullptr;
-    thread_local std::vector<double> in_order;
-    if (free_rows_in_order) {
-      in_order.resize(std::size_t(t.columns));
-      split_even_odd_16(t.frequencies, t.columns, in_order.data());
-      if (t.negate_sin)
-        for (double& f : in_order) f = -f;
-      frequencies = in_order.data();
-      cos_signs = cos_bits ? r.cos_sign_bits_even_odd_16.data() : nullptr;
-      sin_signs = r.sin_sign_bits_even_odd_16.data();
+    thread_local std::vector<double> reordered;
+    if (free_rows_finished) {
+      if (even_odd || t.negate_sin) {
+        reordered.resize(std::size_t(t.columns));
+        if (even_odd)
+          split_even_odd_16(t.frequencies, t.columns, reordered.data());
+        else
+          std::copy_n(t.frequencies, t.columns, reordered.data());
+        if (t.negate_sin)
+          for (double& f : reordered) f = -f;
+        frequencies = reordered.data();
+      }
+      if (even_odd) {
+        cos_signs = cos_bits ? r.cos_sign_bits_even_odd_16.data() : nullptr;
+        sin_signs = r.sin_sign_bits_even_odd_16.data();
+      } else {
+        cos_signs = cos_bits;
+        sin_signs = sin_bits;
+      }
     }
     constexpr int64_t kBlock = 32;
     double block[kBlock];
@@ -1199,7 +1209,7 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
         spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
                    folded_sin);
       }
-    } else if (free_rows_in_order) {
+    } else if (free_rows_finished) {
       // Written whole by the rows kernel above.
     } else if (free_rows && even_odd) {
       spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(c), rd,
