@@ -1136,18 +1136,16 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       spread_even_odd_16<DType::bf16>(row, period, signs.data(), flip, rd, out);
   };
   // Table-free half rows, one position per token: the rows kernel writes them into the tile a
-  // block of tokens per call (row by row it waited on each row's latency); the loop below folds
-  // their signs in place, and splits them into the even/odd layout in the same pass
-  // (spread_even_odd_16 on the row itself).
+  // block of tokens per call (row by row it waited on each row's latency), finished: it folds
+  // the signs as it stores, and negate_sin becomes negated frequencies (the kernel's sin is odd
+  // and its cos even, bit for bit: symmetric reduction and polynomials). For the even/odd layout
+  // each half must be whole 16-lane chunks: then every chunk of the second half holds the
+  // frequencies of its twin in the first, and the kernel takes them in the even/odd order. The
+  // pass over the rows this saves was about 10% of a table-free bf16 call (BENCHMARKS.md,
+  // twenty-second session); other even/odd rows still take it (spread_even_odd_16 in place).
   const bool free_rows = t.frequencies && !t.column_axis && r.lane_frequency_halves &&
                          rd == 2 * t.columns &&
                          (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty()));
-  // Unless the rows kernel can write them finished: it folds the signs as it stores, and
-  // negate_sin becomes negated frequencies (the kernel's sin is odd and its cos even, bit for
-  // bit: symmetric reduction and polynomials). For the even/odd layout each half must be whole
-  // 16-lane chunks: then every chunk of the second half holds the frequencies of its twin in
-  // the first, and the kernel takes them in the even/odd order. The pass over the rows it saves
-  // was about 10% of a table-free bf16 call (BENCHMARKS.md, twenty-second session).
   const bool free_rows_finished = free_rows && (!even_odd || t.columns % 16 == 0);
   if (free_rows) {
     const double* frequencies = t.frequencies;
@@ -1211,14 +1209,11 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       }
     } else if (free_rows_finished) {
       // Written whole by the rows kernel above.
-    } else if (free_rows && even_odd) {
+    } else if (free_rows) {  // even/odd halves of part chunks: split and folded here
       spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(c), rd,
                                      r.cos_sign_bits_even_odd_16.data(), 0u, rd, c);
       spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(s), rd,
                                      r.sin_sign_bits_even_odd_16.data(), sin_flip, rd, s);
-    } else if (free_rows) {
-      fold_signs(c, cos_bits, 0u, rd, c);
-      fold_signs(s, sin_bits, sin_flip, rd, s);
     } else {
       const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
       fold_signs(row.cos, cos_bits, 0u, rd, folded_cos);
