@@ -1136,40 +1136,31 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       spread_even_odd_16<DType::bf16>(row, period, signs.data(), flip, rd, out);
   };
   // Table-free half rows, one position per token: the rows kernel writes them into the tile a
-  // block of tokens per call (row by row it waited on each row's latency), finished: it folds
-  // the signs as it stores, and negate_sin becomes negated frequencies (the kernel's sin is odd
-  // and its cos even, bit for bit: symmetric reduction and polynomials). For the even/odd layout
-  // each half must be whole 16-lane chunks: then every chunk of the second half holds the
-  // frequencies of its twin in the first, and the kernel takes them in the even/odd order. The
-  // pass over the rows this saves was about 10% of a table-free bf16 call (BENCHMARKS.md,
-  // twenty-second session); other even/odd rows still take it (spread_even_odd_16 in place).
-  const bool free_rows = t.frequencies && !t.column_axis && r.lane_frequency_halves &&
-                         rd == 2 * t.columns &&
-                         (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty()));
-  const bool free_rows_finished = free_rows && (!even_odd || t.columns % 16 == 0);
+  // block of tokens per call (row by row it waited on each row's latency), finished: it xors in
+  // the signs (inverse tables' flip included) as it stores. For the even/odd layout each half
+  // must be whole 16-lane chunks: then every chunk of the second half holds the frequencies of
+  // its twin in the first, and the kernel takes them in the even/odd order. The pass over the
+  // rows this saves was about 10% of a table-free bf16 call (BENCHMARKS.md, twenty-second
+  // session). Other table-free rows go row by row (load_table_row).
+  const bool free_rows =
+      t.frequencies && !t.column_axis && r.lane_frequency_halves && rd == 2 * t.columns &&
+      (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty() && t.columns % 16 == 0));
   if (free_rows) {
     const double* frequencies = t.frequencies;
-    const std::uint32_t* cos_signs = nullptr;
-    const std::uint32_t* sin_signs = nullptr;
+    const std::uint32_t* cos_signs = even_odd ? r.cos_sign_bits_even_odd_16.data() : cos_bits;
+    const std::uint32_t* sin_signs = even_odd ? r.sin_sign_bits_even_odd_16.data() : sin_bits;
+    if (!cos_bits) cos_signs = nullptr;
     thread_local std::vector<double> reordered;
-    if (free_rows_finished) {
-      if (even_odd || t.negate_sin) {
-        reordered.resize(std::size_t(t.columns));
-        if (even_odd)
-          split_even_odd_16(t.frequencies, t.columns, reordered.data());
-        else
-          std::copy_n(t.frequencies, t.columns, reordered.data());
-        if (t.negate_sin)
-          for (double& f : reordered) f = -f;
-        frequencies = reordered.data();
-      }
-      if (even_odd) {
-        cos_signs = cos_bits ? r.cos_sign_bits_even_odd_16.data() : nullptr;
-        sin_signs = r.sin_sign_bits_even_odd_16.data();
-      } else {
-        cos_signs = cos_bits;
-        sin_signs = sin_bits;
-      }
+    thread_local std::vector<std::uint32_t> flipped;
+    if (even_odd) {
+      reordered.resize(std::size_t(t.columns));
+      split_even_odd_16(t.frequencies, t.columns, reordered.data());
+      frequencies = reordered.data();
+    }
+    if (sin_flip) {  // not negated frequencies: sin(-0) would be +0, not the flip's -0
+      flipped.resize(std::size_t(rd));
+      for (int64_t j = 0; j < rd; ++j) flipped[j] = (sin_signs ? sin_signs[j] : 0u) ^ sin_flip;
+      sin_signs = flipped.data();
     }
     constexpr int64_t kBlock = 32;
     double block[kBlock];
@@ -1207,13 +1198,8 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
         spread_row(rows.sin, t.dtype_sin, t.sin_lane, t.width, t.columns, rd, sin_bits, sin_flip,
                    folded_sin);
       }
-    } else if (free_rows_finished) {
+    } else if (free_rows) {
       // Written whole by the rows kernel above.
-    } else if (free_rows) {  // even/odd halves of part chunks: split and folded here
-      spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(c), rd,
-                                     r.cos_sign_bits_even_odd_16.data(), 0u, rd, c);
-      spread_even_odd_16<DType::f32>(reinterpret_cast<const char*>(s), rd,
-                                     r.sin_sign_bits_even_odd_16.data(), sin_flip, rd, s);
     } else {
       const TableRow row = load_table_row(plan, outer, row_cos, row_sin);
       fold_signs(row.cos, cos_bits, 0u, rd, folded_cos);

@@ -34,8 +34,8 @@ struct ForwardTile {
   bool copy_passthrough;  // out of place: copy lanes [rotary_dim, head_dim) from x to y
   bool stream;            // non-temporal stores where rows are aligned (never set in place)
   // Every NaN of the table rows has 16 zero low bits: rows read from bf16 tables, or rows the core
-  // prepared in TableLayout::even_odd_16 order (it quietens their NaNs and clears those bits;
-  // plan.cpp). A value-initialised tile promises nothing.
+  // prepared in TableLayout::even_odd_16 order (it quietens their NaNs and clears those bits,
+  // plan.cpp; table-free rows have none). A value-initialised tile promises nothing.
   bool table_nans_low_bits_zero;
 
   const void* x_row(std::int64_t n) const { return x + n * x_step; }

@@ -93,7 +93,7 @@ TEST(TableFreeKernel, ExactToFp32AtLongPositionsOnEveryIsa) {
 TEST(TableFreeKernel, RowsKernelMatchesTheElementwiseBits) {
   std::mt19937_64 rng(12);
   std::uniform_int_distribution<std::int64_t> any_position(-20000000, 20000000);
-  std::uniform_real_distribution<double> any_frequency(0.0, 1.0);
+  std::uniform_real_distribution<double> any_frequency(-1.0, 1.0);
   for (std::int64_t n : {1, 3, 7, 8, 16, 22, 32, 64, 65})
     for (bool repeat : {false, true})
       for (double amplitude : {1.0, 0.75})
@@ -102,6 +102,8 @@ TEST(TableFreeKernel, RowsKernelMatchesTheElementwiseBits) {
           std::vector<double> position(rows), frequency(n);
           for (double& p : position) p = double(any_position(rng));
           for (double& f : frequency) f = any_frequency(rng);
+          position[0] = 0.0;  // θ = 0 on row 0 and in the last lane: sin is +0 there
+          frequency.back() = 0.0;
           // Sign words as the core folds them (the sign bit), plus a low bit that a kernel
           // applying only the sign would lose.
           std::vector<std::uint32_t> cos_signs(width), sin_signs(width);
@@ -191,7 +193,8 @@ std::vector<NamedRotation> rotations() {
   }
   for (int j = 0; j < 32; ++j) mla.push_back(j % 16);
   out.push_back({"half64", Rotation::half(64), half});
-  // Halves of 24 lanes, not whole 16-lane chunks: the even/odd rows are split after the kernel.
+  // Halves of 24 lanes, not whole 16-lane chunks: natural rows on every ISA (the rows kernel's
+  // tail on AVX-512).
   std::vector<int> half48;
   for (int j = 0; j < 48; ++j) half48.push_back(j % 24);
   out.push_back({"half48", Rotation::half(48), half48});
@@ -335,6 +338,65 @@ TEST(TableFree, EveryRotationLayoutDtypeAndIsaMatchesTheReferenceAndTheScalarBit
               }
             }
           }
+  }
+}
+
+// The same rotation through precomputed tables holding the kernel's own cos/sin
+// (exact_cos_sin_rows) gives the same bits: the rows the table-free executor prepares (sign
+// words and frequency order folded into the rows kernel, inverse as a flipped sin) are those of
+// the table path. Position 0 and a zero frequency make θ = 0, where an inverse done by negating
+// the angle would give sin +0 instead of the flip's -0 (visible against x = -0).
+TEST(TableFree, MatchesTheTablePathBitForBit) {
+  std::mt19937_64 rng(33);
+  struct Named {
+    const char* name;
+    Rotation rotation;
+    bool pairs;
+  };
+  const Named rotations[] = {{"half64", Rotation::half(64), false},
+                             {"half48", Rotation::half(48), false},
+                             {"interleave64", Rotation::interleave(64), true}};
+  for (const auto& [name, rotation, pairs] : rotations) {
+    const std::int64_t rd = rotation.rotary_dim(), T = 9, H = 3;
+    std::vector<double> frequencies = llama_frequencies(rd / 2);
+    frequencies.back() = 0.0;
+    std::vector<std::int64_t> pos = {0, 1, 7, 4095, 131071, 1000003, 0, 9999991, 2};
+    TestTensor positions = TestTensor::make(DType::i64, {T, 1});
+    positions.fill([&](const auto& i) { return double(pos[std::size_t(i[0])]); });
+    for (DType dtype : kDtypes)
+      for (bool inverse : {false, true})
+        for (double amplitude : {1.0, 1.125}) {
+          std::vector<float> c(std::size_t(T * rd)), s(std::size_t(T * rd));
+          exact_cos_sin_rows(pos, frequencies, amplitude, pairs, c.data(), s.data());
+          TestTensor cos_t = TestTensor::make(DType::f32, {T, 1, rd});
+          TestTensor sin_t = TestTensor::make(DType::f32, {T, 1, rd});
+          cos_t.fill([&](const auto& i) { return double(c[std::size_t(i[0] * rd + i[2])]); });
+          sin_t.fill([&](const auto& i) { return double(s[std::size_t(i[0] * rd + i[2])]); });
+          TestTensor x = TestTensor::make(dtype, {T, H, rd});
+          x.fill_random(rng, -2, 2);
+          for (std::int64_t t = 0; t < T; ++t)  // signed zeros on some lanes of every row
+            for (std::int64_t h = 0; h < H; ++h)
+              for (std::int64_t j = h; j < rd; j += 5) x.set({t, h, j}, (j & 1) ? -0.0 : 0.0);
+          Tables table_free;
+          table_free.positions = positions.cview();
+          table_free.frequencies = frequencies;
+          table_free.amplitude = amplitude;
+          table_free.inverse = inverse;
+          Tables tables;
+          tables.cos = cos_t.cview();
+          tables.sin = sin_t.cview();
+          tables.inverse = inverse;
+          for (Isa isa : isas_under_test()) {
+            ScopedIsa scoped(isa);
+            TestTensor free_out = TestTensor::make(dtype, x.shape);
+            TestTensor table_out = TestTensor::make(dtype, x.shape);
+            rope_forward(rotation, table_free, Operand{x.cview(), free_out.view()});
+            rope_forward(rotation, tables, Operand{x.cview(), table_out.view()});
+            EXPECT_EQ(free_out.storage, table_out.storage)
+                << isa_name(isa) << " " << name << " " << dtype_name(dtype)
+                << (inverse ? " inverse" : "") << " amplitude " << amplitude;
+          }
+        }
   }
 }
 
