@@ -150,6 +150,9 @@ const std::vector<LayoutCase>& layout_cases() {
       {"cache_positions_i64", {2, 3, 5, 0}, {}, {}, {2, 1, 5}},
       {"cache_positions_i32_in_place", {2, 3, 5, 0}, {}, {}, {2, 1, 5}, true, false, DType::i32},
       {"cache_multi_axis", {1, 2, 6, 0}, {}, {}, {1, 1, 6, 3}, false, true},
+      // One token (a decode step): no axis moves the table row.
+      {"cache_one_token", {1, 3, 1, 0}, {}, {}, {1, 1, 1}},
+      {"cache_one_packed_token_in_place", {1, 4, 0}, {}, {}, {1, 1}, true},
   };
   return s;
 }
