@@ -1150,9 +1150,10 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       (!even_odd || (fold && !r.sin_sign_bits_even_odd_16.empty() && t.columns % 16 == 0));
   if (free_rows) {
     const double* frequencies = t.frequencies;
-    const std::uint32_t* cos_signs = even_odd ? r.cos_sign_bits_even_odd_16.data() : cos_bits;
+    const std::uint32_t* cos_signs = !cos_bits  ? nullptr
+                                     : even_odd ? r.cos_sign_bits_even_odd_16.data()
+                                                : cos_bits;
     const std::uint32_t* sin_signs = even_odd ? r.sin_sign_bits_even_odd_16.data() : sin_bits;
-    if (!cos_bits) cos_signs = nullptr;
     thread_local std::vector<double> reordered;
     thread_local std::vector<std::uint32_t> flipped;
     if (even_odd) {
