@@ -24,6 +24,7 @@ import torch
 
 import rome
 
+from .measure import round_robin_samples
 from .rows import axis_angles, lane_layout
 
 HEAD = 128
@@ -166,15 +167,7 @@ def make_case(v: Variant, layout: str, tokens: int, heads: int, k_heads: int) ->
 
 
 def _median_round_robin(fns: Dict[str, Callable[[], None]], repeats: int, warmup: int) -> Dict[str, float]:
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    samples: Dict[str, List[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for key, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[key].append(time.perf_counter() - t0)
+    samples = round_robin_samples(fns, repeats, warmup)
     return {k: statistics.median(v) for k, v in samples.items()}
 
 

@@ -37,6 +37,24 @@ def median_per_call_s(fn: Callable[[], object], samples: int, inner: int = 1) ->
     return statistics.median(times)
 
 
+def round_robin_samples(fns: Dict[str, Callable[[], object]], rounds: int, warmup: int,
+                        inner: int = 1) -> Dict[str, List[float]]:
+    """Seconds per call of each name in each of `rounds` rounds, every name sampled once per
+    round (`inner` back-to-back calls a sample), after `warmup` calls of each: on a shared
+    machine a burst of other work then hits every name, not one name's whole series."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    samples: Dict[str, List[float]] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                fn()
+            samples[key].append((time.perf_counter() - t0) / inner)
+    return samples
+
+
 # Precision bound for the metric max(min(abs err, rel err)), per method: half an epsilon of the
 # output dtype (the final rounding, unavoidable) plus 8 epsilons of the dtype the method computes
 # in (bf16 math with bf16 tables rounds about 4 times per output). Epsilons: bf16 2^-7, fp16

@@ -23,14 +23,13 @@ start-up (pools warm).
 """
 
 import statistics
-import time
 from typing import Callable, Dict
 
 import torch
 
 import rome
 
-from .measure import median_per_call_s
+from .measure import median_per_call_s, round_robin_samples
 
 THETA = 500000.0
 POSITIONS = [4096, 131072, 1048576, 10485760]
@@ -71,19 +70,10 @@ def _median_ms(fn: Callable[[], object], samples: int, inner: int = 1) -> float:
 
 def _round_robin_ms(fns: Dict[str, Callable[[], object]], rounds: int,
                     inner: int = 1) -> Dict[str, list]:
-    """Per name the ms per call of each of `rounds` rounds, every name sampled once per round
-    (`inner` back-to-back calls; after `inner` warm-up calls each)."""
-    for fn in fns.values():
-        for _ in range(inner):
-            fn()
-    ms: Dict[str, list] = {k: [] for k in fns}
-    for _ in range(rounds):
-        for key, fn in fns.items():
-            t0 = time.perf_counter()
-            for _ in range(inner):
-                fn()
-            ms[key].append((time.perf_counter() - t0) * 1e3 / inner)
-    return ms
+    """Per name the ms per call of each of `rounds` rounds (round_robin_samples, `inner` calls a
+    sample, after `inner` warm-up calls each)."""
+    samples = round_robin_samples(fns, rounds, warmup=inner, inner=inner)
+    return {k: [t * 1e3 for t in v] for k, v in samples.items()}
 
 
 def _paired(ms: Dict[str, list], over: str, under: str) -> float:
