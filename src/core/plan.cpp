@@ -1,9 +1,5 @@
 #include "plan.hpp"
 
-#if defined(__SSE2__)
-#include <emmintrin.h>
-#endif
-
 #include <algorithm>
 #include <climits>
 #include <cmath>
@@ -461,6 +457,7 @@ ForwardPlan plan_forward(const Rotation& rotation, const Tables& tables, const O
   tp.width = tables.width;
   tp.negate_sin = tables.inverse;
   tp.columns = columns;
+  tp.spread_even_odd_16 = active_kernels().spread_even_odd_16;
   if (table_free) {
     tp.frequencies = tables.frequencies.data();
     tp.lane_frequency = rot.lane_frequency.data();
@@ -903,85 +900,6 @@ void fold_signs(const float* in, const std::uint32_t* signs, std::uint32_t flip,
   for (int64_t j = 0; j < n; ++j) dst[j] = src[j] ^ flip;
 }
 
-// Rows in TableLayout::even_odd_16 order go to the bf16 kernels, which narrow without a NaN case
-// when every NaN has 16 zero low bits (kernel_api.hpp: nan_results_low_bits_zero; the case cost
-// about 5-10% of a bf16 call, BENCHMARKS.md, twenty-first session). So their NaNs get the quiet
-// bit and lose those bits: the one-fma epilogue returns such an input quietened, and rounding it
-// to bf16 keeps the high half, which is the NaN case's result for the original value (its high
-// half, quietened). Without the quiet bit a signalling NaN with only low payload bits would become
-// an infinity.
-constexpr std::uint32_t kNanQuietBit = 0x00400000u, kLowBits = 0x0000ffffu;
-
-inline std::uint32_t nan_low_bits_cleared(std::uint32_t bits) {
-  return (bits & 0x7fffffffu) > 0x7f800000u ? (bits | kNanQuietBit) & ~kLowBits : bits;
-}
-
-// nan_low_bits_cleared on rd lanes in place.
-void clear_nan_low_bits(float* row, int64_t rd) {
-  auto* bits = reinterpret_cast<bits32*>(row);
-  for (int64_t j = 0; j < rd; ++j) bits[j] = nan_low_bits_cleared(bits[j]);
-}
-
-// One table row of fp32 or bf16 values (unit lane stride; lane j reads column j, or j - period
-// past the first `period` lanes: half-width rows, period a multiple of 16) straight into
-// TableLayout::even_odd_16 with the signs (in that order) and `flip` folded in and NaNs cleared:
-// the bits of load_table_row or spread_row, then fold_signs, split_even_odd_16 and
-// clear_nan_low_bits, in one SSE2 pass instead of four passes and a scratch row (BENCHMARKS.md,
-// nineteenth session: 3-5% of a bf16 call in cache). Each 16-lane chunk is read before it is
-// written, so `out` may be the row itself (fp32, full width).
-template <DType D>
-void spread_even_odd_16(const char* row, int64_t period, const std::uint32_t* signs,
-                        std::uint32_t flip, int64_t rd, float* out) {
-#if defined(__SSE2__)
-  const __m128 f = _mm_castsi128_ps(_mm_set1_epi32(int(flip)));
-  const __m128 quiet = _mm_castsi128_ps(_mm_set1_epi32(int(kNanQuietBit)));
-  const __m128 low = _mm_castsi128_ps(_mm_set1_epi32(int(kLowBits)));
-  for (int64_t k = 0; k < rd; k += 16) {
-    const int64_t column = k < period ? k : k - period;
-    __m128 a[4];
-    if constexpr (D == DType::f32) {
-      const float* p = reinterpret_cast<const float*>(row) + column;
-      for (int v = 0; v < 4; ++v) a[v] = _mm_loadu_ps(p + 4 * v);
-    } else {  // bf16: each value is the upper half of its fp32 bits
-      const auto* p =
-          reinterpret_cast<const __m128i*>(reinterpret_cast<const std::uint16_t*>(row) + column);
-      const __m128i zero = _mm_setzero_si128();
-      for (int h = 0; h < 2; ++h) {
-        const __m128i w = _mm_loadu_si128(p + h);
-        a[2 * h] = _mm_castsi128_ps(_mm_unpacklo_epi16(zero, w));
-        a[2 * h + 1] = _mm_castsi128_ps(_mm_unpackhi_epi16(zero, w));
-      }
-    }
-    const __m128 lanes[4] = {_mm_shuffle_ps(a[0], a[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm_shuffle_ps(a[2], a[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm_shuffle_ps(a[0], a[1], _MM_SHUFFLE(3, 1, 3, 1)),
-                             _mm_shuffle_ps(a[2], a[3], _MM_SHUFFLE(3, 1, 3, 1))};
-    for (int v = 0; v < 4; ++v) {
-      const __m128 s = _mm_loadu_ps(reinterpret_cast<const float*>(signs + k + 4 * v));
-      const __m128 folded = _mm_xor_ps(flip ? _mm_xor_ps(lanes[v], f) : lanes[v], s);
-      const __m128 nan = _mm_cmpunord_ps(folded, folded);
-      const __m128 cleared =
-          _mm_or_ps(_mm_andnot_ps(_mm_and_ps(nan, low), folded), _mm_and_ps(nan, quiet));
-      _mm_storeu_ps(out + k + 4 * v, cleared);
-    }
-  }
-#else
-  auto* dst = reinterpret_cast<std::uint32_t*>(out);
-  for (int64_t k = 0; k < rd; k += 16) {
-    const int64_t column = k < period ? k : k - period;
-    std::uint32_t chunk[16];
-    for (int i = 0; i < 16; ++i) {
-      const int64_t c = column + 2 * (i % 8) + i / 8;
-      if constexpr (D == DType::f32)
-        std::memcpy(&chunk[i], reinterpret_cast<const float*>(row) + c, 4);
-      else
-        chunk[i] = std::uint32_t(reinterpret_cast<const std::uint16_t*>(row)[c]) << 16;
-    }
-    for (int i = 0; i < 16; ++i) dst[k + i] = nan_low_bits_cleared(chunk[i] ^ signs[k + i] ^ flip);
-  }
-#endif
-}
-
 }  // namespace
 
 bool table_nans_low_bits_zero(const ForwardPlan& plan, kernels::TableLayout layout) {
@@ -1119,10 +1037,12 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
   const bool spread = (gather || direct) && is_floating(t.dtype_cos) && is_floating(t.dtype_sin) &&
                       (t.width == TableWidth::full || rd == 2 * t.columns);
   const std::uint32_t sin_flip = t.negate_sin ? 0x80000000u : 0u;
-  // Rows gathered or direct that go to the even/odd layout in one pass, split as well
-  // (spread_even_odd_16): fp32 and bf16 only (whose fp32 bits are a move; fp16 needs a
-  // conversion), unit lanes, rotary_dim whole 16-lane chunks (the signs in even/odd order exist),
-  // and half-width rows whose half is whole chunks too, so that no chunk straddles the two halves.
+  // Rows gathered or direct that go to the even/odd layout in one pass, split as well (the
+  // kernels' spread_even_odd_16, in place of four passes and a scratch row: 3-5% of a bf16 call in
+  // cache, BENCHMARKS.md, nineteenth session): fp32 and bf16 only (whose fp32 bits are a move;
+  // fp16 needs a conversion), unit lanes, rotary_dim whole 16-lane chunks (the signs in even/odd
+  // order exist), and half-width rows whose half is whole chunks too, so that no chunk straddles
+  // the two halves.
   auto one_pass_dtype = [](DType d) { return d == DType::f32 || d == DType::bf16; };
   const bool even_odd_in_one_pass =
       even_odd && fold && (gather || (!t.positions && !t.frequencies)) &&
@@ -1131,13 +1051,8 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       (t.width == TableWidth::full ||
        (t.width == TableWidth::halves && rd == 2 * t.columns && t.columns % 16 == 0));
   const int64_t period = t.width == TableWidth::full ? rd : t.columns;
-  auto spread_one_pass = [&](const char* row, DType dtype, const std::vector<std::uint32_t>& signs,
-                             std::uint32_t flip, float* out) {
-    if (dtype == DType::f32)
-      spread_even_odd_16<DType::f32>(row, period, signs.data(), flip, rd, out);
-    else
-      spread_even_odd_16<DType::bf16>(row, period, signs.data(), flip, rd, out);
-  };
+  // A (the cos signs) is the identity for every standard rotation: nothing to fold.
+  const std::uint32_t* cos_signs_even_odd = cos_bits ? r.cos_sign_bits_even_odd_16.data() : nullptr;
   // Table-free half rows, one position per token: the rows kernel writes them into the tile a
   // block of tokens per call (row by row it waited on each row's latency), finished: it xors in
   // the signs (inverse tables' flip included) as it stores. For the even/odd layout each half
@@ -1194,8 +1109,9 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       const CacheRows rows = gather ? cache_rows(t, position_at(t, positions_offset(plan, outer)))
                                     : direct_rows(plan, outer);
       if (even_odd_in_one_pass) {
-        spread_one_pass(rows.cos, t.dtype_cos, r.cos_sign_bits_even_odd_16, 0u, c);
-        spread_one_pass(rows.sin, t.dtype_sin, r.sin_sign_bits_even_odd_16, sin_flip, s);
+        t.spread_even_odd_16(rows.cos, t.dtype_cos, period, cos_signs_even_odd, 0u, rd, c);
+        t.spread_even_odd_16(rows.sin, t.dtype_sin, period, r.sin_sign_bits_even_odd_16.data(),
+                             sin_flip, rd, s);
       } else {
         spread_row(rows.cos, t.dtype_cos, t.cos_lane, t.width, t.columns, rd, cos_bits, 0u,
                    folded_cos);
@@ -1210,10 +1126,8 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       fold_signs(row.sin, sin_bits, 0u, rd, folded_sin);
     }
     if (even_odd && !even_odd_in_one_pass && !free_rows) {
-      split_even_odd_16(row_cos, rd, c);
-      split_even_odd_16(row_sin, rd, s);
-      clear_nan_low_bits(c, rd);
-      clear_nan_low_bits(s, rd);
+      t.spread_even_odd_16(row_cos, DType::f32, rd, nullptr, 0u, rd, c);
+      t.spread_even_odd_16(row_sin, DType::f32, rd, nullptr, 0u, rd, s);
     }
     std::fill(c + rd, c + stride, 0.0f);
     std::fill(s + rd, s + stride, 0.0f);

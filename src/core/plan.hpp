@@ -55,6 +55,7 @@ struct TablePlan {
   double amplitude = 1.0;
   kernels::CosSinFn cos_sin = nullptr;
   kernels::CosSinRowsFn cos_sin_rows = nullptr;
+  kernels::SpreadEvenOdd16Fn spread_even_odd_16 = nullptr;  // rows for TableLayout::even_odd_16
 };
 
 struct ForwardPlan {

@@ -34,8 +34,8 @@ struct ForwardTile {
   bool copy_passthrough;  // out of place: copy lanes [rotary_dim, head_dim) from x to y
   bool stream;            // non-temporal stores where rows are aligned (never set in place)
   // Every NaN of the table rows has 16 zero low bits: rows read from bf16 tables, or rows the core
-  // prepared in TableLayout::even_odd_16 order (it quietens their NaNs and clears those bits,
-  // plan.cpp; table-free rows have none). A value-initialised tile promises nothing.
+  // prepared in TableLayout::even_odd_16 order (SpreadEvenOdd16Fn quietens their NaNs and clears
+  // those bits; table-free rows have none). A value-initialised tile promises nothing.
   bool table_nans_low_bits_zero;
 
   const void* x_row(std::int64_t n) const { return x + n * x_step; }
@@ -134,17 +134,34 @@ using CosSinRowsFn = void (*)(std::int64_t rows, const double* position, std::in
 // kept (core/convert.hpp's float_to_bf16). Every ISA gives the same bits.
 using NarrowBf16Fn = void (*)(std::int64_t n, const float* in, std::uint16_t* out);
 
+// One table row into TableLayout::even_odd_16 order, for the tiles the core prepares. Lane j of
+// the rd lanes (a multiple of 16) reads column j of `row`, or column j - period past the first
+// `period` lanes (half-width rows; period a multiple of 16). `row` is fp32, or bf16 (dtype), whose
+// value is the upper half of its fp32 bits. out[k + i] for 16-lane chunk k gets chunk lane
+// 2i (i < 8) or 2(i - 8) + 1 (i >= 8), with its bits xor-ed with signs[k + i] (null: none) and
+// with flip, and every NaN given the quiet bit and 16 zero low bits. Such rows let the bf16
+// kernels narrow without a NaN case (nan_results_low_bits_zero; the case cost 5-10% of a bf16
+// call): the one-fma epilogue returns such an input quietened, and rounding it to bf16 keeps its
+// high half, which is the NaN case's result for the original value. Without the quiet bit a
+// signalling NaN with only low payload bits would become an infinity. Pure bit movement: every
+// ISA gives the same bits. out may be the row itself (fp32, full width): each chunk is read
+// before it is written.
+using SpreadEvenOdd16Fn = void (*)(const void* row, DType dtype, std::int64_t period,
+                                   const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
+                                   float* out);
+
 struct KernelTable {
   const char* name;
   ForwardFn forward_permute;  // rotation.kind == signed_permutation
   ForwardFn forward_dense;    // rotation.kind == dense; nullptr: use the scalar kernel
   AccumulateProductFn accumulate_product;
-  TableLayoutFn permute_table_layout;  // nullptr: natural
-  NormForwardFn forward_norm_permute;  // nullptr: use the scalar kernel
-  TableLayoutFn norm_table_layout;     // of forward_norm_permute's tiles; nullptr: natural
-  CosSinFn cos_sin;                    // table-free RoPE's angles
-  CosSinRowsFn cos_sin_rows;           // the same, a row of frequencies per position
-  NarrowBf16Fn narrow_bf16;            // tables::to_bf16_bits (16-bit tables built in bulk)
+  TableLayoutFn permute_table_layout;    // nullptr: natural
+  NormForwardFn forward_norm_permute;    // nullptr: use the scalar kernel
+  TableLayoutFn norm_table_layout;       // of forward_norm_permute's tiles; nullptr: natural
+  CosSinFn cos_sin;                      // table-free RoPE's angles
+  CosSinRowsFn cos_sin_rows;             // the same, a row of frequencies per position
+  NarrowBf16Fn narrow_bf16;              // tables::to_bf16_bits (16-bit tables built in bulk)
+  SpreadEvenOdd16Fn spread_even_odd_16;  // the core's even/odd table rows
 };
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags. Feature bits
@@ -160,6 +177,9 @@ const KernelTable& amx_kernels(bool avx512_bf16);
 // 3D 44/44/40, 44/42/42 in half blocks; 3, 4: interleave_half 64, 128).
 int avx512_compiled_plan(const detail::RotationData& rotation);
 
+void scalar_spread_even_odd_16(const void* row, DType dtype, std::int64_t period,
+                               const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
+                               float* out);
 void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);
 void avx2_cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,

@@ -17,7 +17,9 @@
 #include <vector>
 
 #include "core/convert.hpp"
+#include "core/dispatch.hpp"
 #include "core/plan.hpp"
+#include "isa_testing.hpp"
 #include "rome/rope.hpp"
 
 namespace {
@@ -98,9 +100,22 @@ bool same_bits(const std::vector<float>& a, const std::vector<float>& b) {
   return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * sizeof(float)) == 0;
 }
 
+void spread_rows_match_per_column_path();
+
 }  // namespace
 
+// On every ISA: the plan takes the active kernels' spread_even_odd_16.
 TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
+  for (rome::Isa isa : rome::testing::isas_under_test()) {
+    SCOPED_TRACE(rome::isa_name(isa));
+    rome::testing::ScopedIsa scoped(isa);
+    spread_rows_match_per_column_path();
+  }
+}
+
+namespace {
+
+void spread_rows_match_per_column_path() {
   struct Named {
     std::string name;
     rome::Rotation rotation;
@@ -209,4 +224,73 @@ TEST(TableSpread, GatheredAndDirectRowsMatchThePerColumnPathBitForBit) {
   }
   EXPECT_GT(cases, 150);
   EXPECT_GT(even_odd_nans, 100);
+}
+
+}  // namespace
+
+// Each ISA's KernelTable::spread_even_odd_16 against its definition (kernel_api.hpp), written out
+// lane by lane here: fp32 and bf16 rows, full and half width, with and without signs and flip, in
+// place, on rows without a NaN, with one NaN in their last chunk only, and full of NaN payloads
+// (signalling ones whose payload is only in the low bits among them), infinities, signed zeros and
+// subnormals. Lanes past rotary_dim stay untouched.
+TEST(TableSpread, EveryIsaSpreadsEvenOddRowsAsDefined) {
+  constexpr std::uint32_t kUntouched = 0x7fbadbadu;
+  int cases = 0, nans = 0;
+  for (rome::Isa isa : rome::testing::isas_under_test()) {
+    rome::testing::ScopedIsa scoped(isa);
+    const rome::kernels::SpreadEvenOdd16Fn spread =
+        rome::detail::active_kernels().spread_even_odd_16;
+    std::mt19937 rng(7);
+    for (std::int64_t rd : {16, 48, 128, 256})
+      for (DType dtype : {DType::f32, DType::bf16})
+        for (std::int64_t period : {rd, rd / 2})
+          for (bool signed_lanes : {false, true})
+            for (std::uint32_t flip : {0u, 0x80000000u})
+              for (bool in_place : {false, true})
+                for (int values = 0; values < 3; ++values) {
+                  if (period % 16 != 0 || (in_place && (dtype != DType::f32 || period != rd)))
+                    continue;
+                  std::vector<std::uint32_t> bits(static_cast<std::size_t>(period));
+                  for (std::size_t i = 0; i < bits.size(); ++i) {
+                    const std::uint32_t u =
+                        values == 2 ? special_bits(rng, int(i))
+                                    : rome::detail::float_bits(float(int(rng() % 2001) - 1000) / 7);
+                    bits[i] = dtype == DType::bf16 ? u & 0xffff0000u : u;
+                  }
+                  if (values == 1) bits.back() = dtype == DType::bf16 ? 0xff810000u : 0x7f800001u;
+                  std::vector<std::uint32_t> signs(static_cast<std::size_t>(rd));
+                  for (auto& w : signs) w = rng() % 3 == 0 ? 0x80000000u : 0u;
+                  std::vector<std::uint32_t> expected(std::size_t(rd + 16), kUntouched);
+                  for (std::int64_t k = 0; k < rd; k += 16) {
+                    const std::int64_t column = k < period ? k : k - period;
+                    for (std::int64_t i = 0; i < 16; ++i) {
+                      std::uint32_t u = bits[std::size_t(column + 2 * (i % 8) + i / 8)] ^ flip;
+                      if (signed_lanes) u ^= signs[std::size_t(k + i)];
+                      if ((u & 0x7fffffffu) > 0x7f800000u) u = (u | 0x00400000u) & 0xffff0000u;
+                      expected[std::size_t(k + i)] = u;
+                    }
+                  }
+                  std::vector<std::uint16_t> halves(bits.size());
+                  for (std::size_t i = 0; i < bits.size(); ++i)
+                    halves[i] = std::uint16_t(bits[i] >> 16);
+                  std::vector<std::uint32_t> out(std::size_t(rd + 16), kUntouched);
+                  const void* row = dtype == DType::bf16 ? static_cast<const void*>(halves.data())
+                                                         : static_cast<const void*>(bits.data());
+                  if (in_place) {
+                    std::copy(bits.begin(), bits.end(), out.begin());
+                    row = out.data();
+                  }
+                  spread(row, dtype, period, signed_lanes ? signs.data() : nullptr, flip, rd,
+                         reinterpret_cast<float*>(out.data()));
+                  ASSERT_EQ(out, expected)
+                      << rome::isa_name(isa) << " rd " << rd << " " << rome::dtype_name(dtype)
+                      << " period " << period << " signs " << signed_lanes << " flip " << flip
+                      << " in place " << in_place << " values " << values;
+                  for (std::int64_t j = 0; j < rd; ++j)
+                    nans += (expected[std::size_t(j)] & 0x7fffffffu) > 0x7f800000u;
+                  ++cases;
+                }
+  }
+  EXPECT_GT(cases, 200);
+  EXPECT_GT(nans, 1000);
 }

@@ -63,7 +63,8 @@ const KernelTable& amx_kernels(bool avx512_bf16) {
                        avx512.norm_table_layout,
                        avx512.cos_sin,
                        avx512.cos_sin_rows,
-                       avx512.narrow_bf16};
+                       avx512.narrow_bf16,
+                       avx512.spread_even_odd_16};
   };
   static const KernelTable table = make(avx512_kernels(false), forward_dense<avx512::NarrowExact>);
   static const KernelTable table_bf16 =

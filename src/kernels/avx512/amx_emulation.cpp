@@ -77,7 +77,8 @@ const KernelTable& amx_emulated_kernels() {
                                  avx512_kernels(false).norm_table_layout,
                                  avx512_kernels(false).cos_sin,
                                  avx512_kernels(false).cos_sin_rows,
-                                 avx512_kernels(false).narrow_bf16};
+                                 avx512_kernels(false).narrow_bf16,
+                                 avx512_kernels(false).spread_even_odd_16};
   return table;
 }
 

@@ -609,16 +609,11 @@ int avx512_compiled_plan(const detail::RotationData& rotation) {
 }
 
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
-  static const KernelTable table{"avx512",
-                                 forward_permute_any<false>,
-                                 avx512_forward_dense,
-                                 avx512_accumulate_product,
-                                 nullptr,
-                                 avx512_forward_norm_permute,
-                                 nullptr,
-                                 avx512_cos_sin,
-                                 avx512_cos_sin_rows,
-                                 narrow_bf16};
+  static const KernelTable table{"avx512", forward_permute_any<false>, avx512_forward_dense,
+                                 avx512_accumulate_product, nullptr, avx512_forward_norm_permute,
+                                 nullptr, avx512_cos_sin, avx512_cos_sin_rows, narrow_bf16,
+                                 // No AVX-512 kernel asks for even/odd rows (only tests).
+                                 scalar_spread_even_odd_16};
   static const KernelTable table_bf16{"avx512",
                                       forward_permute_any<true>,
                                       avx512_forward_dense,
@@ -628,7 +623,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                       nullptr,
                                       avx512_cos_sin,
                                       avx512_cos_sin_rows,
-                                      narrow_bf16};
+                                      narrow_bf16,
+                                      scalar_spread_even_odd_16};
   static const KernelTable table_bf16_dot{"avx512",
                                           forward_permute_any<true>,
                                           avx512_bf16_forward_dense,
@@ -638,7 +634,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                           nullptr,
                                           avx512_cos_sin,
                                           avx512_cos_sin_rows,
-                                          narrow_bf16};
+                                          narrow_bf16,
+                                          scalar_spread_even_odd_16};
   if (!avx512_bf16) return table;
   return bf16_dot ? table_bf16_dot : table_bf16;
 }

@@ -206,6 +206,29 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
 
 }  // namespace
 
+// The lane loop: the definition the SIMD forms match bit for bit.
+void scalar_spread_even_odd_16(const void* row, DType dtype, std::int64_t period,
+                               const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
+                               float* out) {
+  constexpr std::uint32_t kQuietBit = 0x00400000u, kLowBits = 0x0000ffffu;
+  auto* dst = reinterpret_cast<std::uint32_t*>(out);
+  for (std::int64_t k = 0; k < rd; k += 16) {
+    const std::int64_t column = k < period ? k : k - period;
+    std::uint32_t chunk[16];
+    for (int i = 0; i < 16; ++i) {
+      const std::int64_t c = column + 2 * (i % 8) + i / 8;
+      if (dtype == DType::f32)
+        std::memcpy(&chunk[i], static_cast<const float*>(row) + c, 4);
+      else
+        chunk[i] = std::uint32_t(static_cast<const std::uint16_t*>(row)[c]) << 16;
+    }
+    for (int i = 0; i < 16; ++i) {
+      const std::uint32_t bits = chunk[i] ^ (signs ? signs[k + i] : 0u) ^ flip;
+      dst[k + i] = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | kQuietBit) & ~kLowBits : bits;
+    }
+  }
+}
+
 const KernelTable& scalar_kernels() {
   static const KernelTable table{"scalar",
                                  forward_permute_any,
@@ -216,7 +239,8 @@ const KernelTable& scalar_kernels() {
                                  nullptr,
                                  scalar_cos_sin,
                                  scalar_cos_sin_rows,
-                                 narrow_bf16};
+                                 narrow_bf16,
+                                 scalar_spread_even_odd_16};
   return table;
 }
 
