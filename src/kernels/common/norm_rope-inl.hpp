@@ -43,6 +43,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "../../core/convert.hpp"
@@ -421,26 +422,52 @@ template <class I, DType D, class L, class O, NormKind K>
   for (std::int64_t t = 0; t < run.tokens; ++t) {
     const ForwardTile tile = run.token(t);
     const std::int64_t ahead = prefetch_distance(tile);
+    // One table row for every row of the token (the fused executor's tiles): folded once here.
+    const bool one_table_row = tile.table_step == 0;
+    if (one_table_row) folded.update(r, tile.cos_row(0), tile.sin_row(0), norm.weight);
     for (std::int64_t n0 = 0; n0 < tile.count; n0 += kGroup) {
       const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
       sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
       Pass1::inverse_rms(ss, group, hd, norm.eps, scales);
-      for (int i = 0; i < group; ++i) {
+      auto rows_of = [&](int i) ROME_INLINE_LAMBDA {
         const std::int64_t n = n0 + i;
         const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
-        auto* y = static_cast<Storage<D>*>(tile.y_row(n));
         for (std::int64_t b = 0; b < prefetch_bytes; b += 64)
           I::prefetch(reinterpret_cast<const char*>(x) + ahead + b);
-        folded.update(r, tile.cos_row(n), tile.sin_row(n), norm.weight);
-        const float scale = scales[i];
+        return std::pair{x, static_cast<Storage<D>*>(tile.y_row(n))};
+      };
+      auto vector_row = [&](int i) ROME_INLINE_LAMBDA {
+        return ss[i] <= folded.finite_sum_squares_max && scales[i] <= FLT_MAX;
+      };
+      if constexpr (K != NormKind::other) {
+        // The common case in a loop without calls, whose stores then cannot touch the folded row
+        // and whose constants stay in registers (a call per row forced a reload of both: 9% of
+        // this function's instructions, Qwen3 shapes).
+        bool every_row_vector = one_table_row;
+        for (int i = 0; i < group; ++i) every_row_vector &= vector_row(i);
+        if (every_row_vector) {
+          const float* cw = folded.cw;
+          const float* sw = folded.sw;
+          const float* weights = folded.weights;
+          for (int i = 0; i < group; ++i) {
+            const auto [x, y] = rows_of(i);
+            rotate_row<I, O, K, single_fma_epilogue(D)>(x, y, cw, sw, weights, rd, hd,
+                                                        I::set1(scales[i]));
+          }
+          continue;
+        }
+      }
+      for (int i = 0; i < group; ++i) {
+        const auto [x, y] = rows_of(i);
+        folded.update(r, tile.cos_row(n0 + i), tile.sin_row(n0 + i), norm.weight);
         if constexpr (K != NormKind::other) {
-          if (ss[i] <= folded.finite_sum_squares_max && scale <= FLT_MAX) {
+          if (vector_row(i)) {
             rotate_row<I, O, K, single_fma_epilogue(D)>(x, y, folded.cw, folded.sw, folded.weights,
-                                                        rd, hd, I::set1(scale));
+                                                        rd, hd, I::set1(scales[i]));
             continue;
           }
         }
-        rotate_row_lanes<I, D, L, O>(r, x, y, scale, folded, norm, buffers);
+        rotate_row_lanes<I, D, L, O>(r, x, y, scales[i], folded, norm, buffers);
       }
     }
   }
