@@ -20,6 +20,8 @@
 //                       (default: direct tables [S, D], broadcast over the leading axes)
 //   --shuffle-positions with --cache: S distinct positions in random order instead (every
 //                       cache row a random read, as in the layout study's positions rows)
+//   --half-width-cache  with --cache: rows of rotary_dim / 2 columns, each used for both halves
+//                       of the row (TableWidth::halves: vLLM's cos_sin_cache as NeoX reads it)
 //   --table-free        with --cache: the same positions, but cos and sin computed in the call
 //                       from rotary_dim / 2 frequencies 10000^(-2i/rotary_dim) (Tables'
 //                       table-free form); the copy floor then reads no table bytes
@@ -209,7 +211,8 @@ int usage(const char* why) {
   std::fprintf(
       stderr,
       "rome_timer: %s\nusage: rome_timer --q B,N,S,D [--k B,N,S,D] [--rotation half] "
-      "[--blocks a,b,..] [--cache P [--shuffle-positions]] [--dtype bf16] [--table-dtype f32] "
+      "[--blocks a,b,..] [--cache P [--shuffle-positions] [--half-width-cache]] [--dtype bf16] "
+      "[--table-dtype f32] "
       "[--threads N] "
       "[--tile-tokens T] [--min-parallel-bytes B] "
       "[--repeats R] [--warmup W] [--inner K] [--in-place] [--bsnd] [--table-free] [--qk-norm] "
@@ -229,7 +232,8 @@ int main(int argc, char** argv) {
   DType dtype = DType::bf16, table_dtype = DType::f32, matrix_dtype = DType::f32;
   int threads = 0, repeats = 20, warmup = 3, inner = 0;
   std::int64_t tile_tokens = 0, min_parallel_bytes = -1;
-  bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false;
+  bool in_place = false, force_dense = false, qk_norm = false, bsnd = false, shuffle = false,
+       half_width = false;
   bool packed_qkv = false, table_free = false, kv_cache = false;
   try {
     for (int i = 1; i < argc; ++i) {
@@ -272,6 +276,8 @@ int main(int argc, char** argv) {
         bsnd = true;
       else if (a == "--shuffle-positions")
         shuffle = true;
+      else if (a == "--half-width-cache")
+        half_width = true;
       else if (a == "--qk-norm")
         qk_norm = in_place = true;
       else if (a == "--kv-cache")
@@ -301,6 +307,7 @@ int main(int argc, char** argv) {
     return usage("--qk-norm and --kv-cache need --q T,Hq,D and --k T,Hk,D");
   if (packed_qkv && !token_major) return usage("--packed-qkv needs --qk-norm or --kv-cache");
   if (table_free && cache <= 0) return usage("--table-free needs --cache P (the positions)");
+  if (half_width && cache <= 0) return usage("--half-width-cache needs --cache P");
   repeats = std::max(1, repeats);
   if (threads <= 0) threads = rome::default_num_threads();
 
@@ -353,7 +360,8 @@ int main(int argc, char** argv) {
     const std::int64_t rows = cache > 0 ? cache : seq;
     if (cache > 0 && cache < seq) throw std::invalid_argument("--cache must be >= S");
     const int ts = rome::dtype_size(table_dtype);
-    Buffer cos_t(std::size_t(rows * rd) * ts), sin_t(std::size_t(rows * rd) * ts);
+    const std::int64_t columns = half_width ? rd / 2 : rd;
+    Buffer cos_t(std::size_t(rows * columns) * ts), sin_t(std::size_t(rows * columns) * ts);
     // Both lanes of a rotated pair share one frequency, as in a real model, so an in-place run
     // that rotates the same data again and again keeps its norms (with another layout, e.g. the
     // frequency of lane j % (rd/2) under a block split, values grow or shrink call after call
@@ -361,12 +369,12 @@ int main(int argc, char** argv) {
     const std::vector<std::int64_t> frequency_index = lane_frequency_index(
         rotation_kind, blocks.empty() ? std::vector<std::int64_t>{rd} : blocks);
     for (std::int64_t r = 0; r < rows; ++r)
-      for (std::int64_t j = 0; j < rd; ++j) {
+      for (std::int64_t j = 0; j < columns; ++j) {
         const double inv =
             std::pow(10000.0, -2.0 * double(frequency_index[std::size_t(j)]) / double(rd));
-        rome::detail::store_any(cos_t.data, table_dtype, r * rd + j,
+        rome::detail::store_any(cos_t.data, table_dtype, r * columns + j,
                                 float(std::cos(double(r) * inv)));
-        rome::detail::store_any(sin_t.data, table_dtype, r * rd + j,
+        rome::detail::store_any(sin_t.data, table_dtype, r * columns + j,
                                 float(std::sin(double(r) * inv)));
       }
     std::vector<std::int64_t> positions(std::size_t(cache > 0 ? seq : 0));
@@ -383,9 +391,10 @@ int main(int argc, char** argv) {
     // qk_norm_rope's tables vary along T only: direct [T, 1, rd], or positions [T, 1].
     const std::vector<std::int64_t> table_shape = token_major && cache == 0
                                                       ? std::vector<std::int64_t>{rows, 1, rd}
-                                                      : std::vector<std::int64_t>{rows, rd};
+                                                      : std::vector<std::int64_t>{rows, columns};
     tables.cos = view_of<const void*>(cos_t.data, table_dtype, table_shape);
     tables.sin = view_of<const void*>(sin_t.data, table_dtype, table_shape);
+    if (half_width) tables.width = rome::TableWidth::halves;
     if (cache > 0) {
       std::vector<std::int64_t> pshape(q_shape.size() - 1, 1);
       pshape[token_major ? 0 : pshape.size() - 1] = seq;
@@ -457,8 +466,8 @@ int main(int argc, char** argv) {
 
     // The same bytes: x (and k) copied to the outputs (or onto themselves in place: a copy to
     // the output buffer is the same traffic), the table bytes the call reads, the positions.
-    const std::size_t table_bytes = std::size_t(seq * rd) * ts;  // rows actually read
-    const std::size_t table_offset = std::size_t(rows - seq) * rd * ts;
+    const std::size_t table_bytes = std::size_t(seq * columns) * ts;  // rows actually read
+    const std::size_t table_offset = std::size_t(rows - seq) * columns * ts;
     Buffer copy_q(in_place ? std::size_t(q_elems) * es : 0),
         copy_k(in_place ? std::size_t(k_elems) * es : 0);
     rome::bench::CopyJob job;

@@ -646,31 +646,37 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
 }
 
 // KernelTable::spread_even_odd_16, 16 lanes a step (fp32: two shuffles and two lane permutes;
-// bf16: a shift and a mask) where the SSE2 loop it replaces took 40 operations. The NaN rule runs
-// only over a row with a NaN in it, which almost no table row has: one unordered compare of each
-// chunk's two halves finds them.
+// bf16: a shift and a mask) where the SSE2 loop it replaces took 40 operations; half-width rows
+// split each chunk once for both halves. The NaN rule runs only over a row with a NaN in it,
+// which almost no table row has: one unordered compare of each chunk's two halves finds them
+// (the sign words cannot make or unmake a NaN).
 template <bool kBf16, bool kSigns>
 void spread_even_odd_16_of(const void* row, std::int64_t period, const std::uint32_t* signs,
                            std::uint32_t flip, std::int64_t rd, float* out) {
   const __m256 flip_bits = _mm256_castsi256_ps(_mm256_set1_epi32(int(flip)));
   __m256 unordered = _mm256_setzero_ps();
-  for (std::int64_t k = 0; k < rd; k += 16) {
-    const std::int64_t column = k < period ? k : k - period;
-    EvenOdd chunk;
-    if constexpr (kBf16) {
-      chunk = split_bf16(static_cast<const std::uint16_t*>(row) + column);
-    } else {
-      const float* p = static_cast<const float*>(row) + column;
-      chunk = split_even_odd(_mm256_loadu_ps(p), _mm256_loadu_ps(p + kW));
-    }
-    __m256 even = _mm256_xor_ps(chunk.even, flip_bits), odd = _mm256_xor_ps(chunk.odd, flip_bits);
+  auto put = [&](std::int64_t k, __m256 even, __m256 odd) ROME_INLINE_LAMBDA {
     if constexpr (kSigns) {
       even = _mm256_xor_ps(even, _mm256_loadu_ps(reinterpret_cast<const float*>(signs + k)));
       odd = _mm256_xor_ps(odd, _mm256_loadu_ps(reinterpret_cast<const float*>(signs + k + kW)));
     }
-    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(even, odd, _CMP_UNORD_Q));
     _mm256_storeu_ps(out + k, even);
     _mm256_storeu_ps(out + k + kW, odd);
+  };
+  const bool halves = period < rd;
+  for (std::int64_t k = 0; k < period; k += 16) {
+    EvenOdd chunk;
+    if constexpr (kBf16) {
+      chunk = split_bf16(static_cast<const std::uint16_t*>(row) + k);
+    } else {
+      const float* p = static_cast<const float*>(row) + k;
+      chunk = split_even_odd(_mm256_loadu_ps(p), _mm256_loadu_ps(p + kW));
+    }
+    unordered = _mm256_or_ps(unordered, _mm256_cmp_ps(chunk.even, chunk.odd, _CMP_UNORD_Q));
+    const __m256 even = _mm256_xor_ps(chunk.even, flip_bits);
+    const __m256 odd = _mm256_xor_ps(chunk.odd, flip_bits);
+    put(k, even, odd);
+    if (halves) put(k + period, even, odd);
   }
   if (_mm256_testz_ps(unordered, unordered)) return;
   const __m256 quiet = _mm256_castsi256_ps(_mm256_set1_epi32(0x00400000));
