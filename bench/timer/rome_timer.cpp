@@ -307,7 +307,8 @@ int main(int argc, char** argv) {
     return usage("--qk-norm and --kv-cache need --q T,Hq,D and --k T,Hk,D");
   if (packed_qkv && !token_major) return usage("--packed-qkv needs --qk-norm or --kv-cache");
   if (table_free && cache <= 0) return usage("--table-free needs --cache P (the positions)");
-  if (half_width && cache <= 0) return usage("--half-width-cache needs --cache P");
+  if (half_width && (cache <= 0 || table_free))
+    return usage("--half-width-cache needs --cache P and tables (not --table-free)");
   repeats = std::max(1, repeats);
   if (threads <= 0) threads = rome::default_num_threads();
 

@@ -139,7 +139,8 @@ using NarrowBf16Fn = void (*)(std::int64_t n, const float* in, std::uint16_t* ou
 // `period` lanes: period is rd (full rows) or rd / 2 (half-width rows, a multiple of 16). `row` is
 // fp32, or bf16 (dtype), whose value is the upper half of its fp32 bits. out[k + i] for 16-lane
 // chunk k gets chunk lane 2i (i < 8) or 2(i - 8) + 1 (i >= 8), with its bits xor-ed with signs[k +
-// i] (null: none) and with flip, and every NaN given the quiet bit and 16 zero low bits. Such rows
+// i] (null: none) and with flip (each 0 or the sign bit 0x80000000), and every NaN given the quiet
+// bit and 16 zero low bits. Such rows
 // let the bf16 kernels narrow without a NaN case (nan_results_low_bits_zero; the case cost 5-10% of
 // a bf16 call): the one-fma epilogue returns such an input quietened, and rounding it to bf16 keeps
 // its high half, which is the NaN case's result for the original value. Without the quiet bit a

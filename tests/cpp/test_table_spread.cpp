@@ -230,9 +230,11 @@ void spread_rows_match_per_column_path() {
 
 // Each ISA's KernelTable::spread_even_odd_16 against its definition (kernel_api.hpp), written out
 // lane by lane here: fp32 and bf16 rows, full and half width, with and without signs and flip, in
-// place, on rows without a NaN, with one NaN in their last chunk only, and full of NaN payloads
-// (signalling ones whose payload is only in the low bits among them), infinities, signed zeros and
-// subnormals. Lanes past rotary_dim stay untouched.
+// place, on rows without a NaN, with one NaN in their last chunk only (fp32: a signalling NaN
+// whose payload is only in the low bits, which the quiet bit keeps from becoming an infinity), and
+// full of NaN payloads, infinities, signed zeros and subnormals. Lanes past rotary_dim stay
+// untouched. (The tile test above runs its per-column reference through the same function: this
+// test is what checks the function itself.)
 TEST(TableSpread, EveryIsaSpreadsEvenOddRowsAsDefined) {
   constexpr std::uint32_t kUntouched = 0x7fbadbadu;
   int cases = 0, nans = 0;

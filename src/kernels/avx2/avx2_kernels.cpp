@@ -646,10 +646,10 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
 }
 
 // KernelTable::spread_even_odd_16, 16 lanes a step (fp32: two shuffles and two lane permutes;
-// bf16: a shift and a mask) where the SSE2 loop it replaces took 40 operations; half-width rows
-// split each chunk once for both halves. The NaN rule runs only over a row with a NaN in it,
-// which almost no table row has: one unordered compare of each chunk's two halves finds them
-// (the sign words cannot make or unmake a NaN).
+// bf16: a shift and a mask); half-width rows split each chunk once for both halves. The NaN rule
+// runs only over a row with a NaN in it, which almost no table row has: one unordered compare of
+// each chunk's two halves finds them (sign words and flip are sign bits: they cannot make or
+// unmake a NaN).
 template <bool kBf16, bool kSigns>
 void spread_even_odd_16_of(const void* row, std::int64_t period, const std::uint32_t* signs,
                            std::uint32_t flip, std::int64_t rd, float* out) {
