@@ -42,10 +42,11 @@
 //                       k rotated in place, k and a value [T, Hk, D] written to a paged cache of
 //                       16-slot blocks (twice the blocks T needs) at shuffled slots; the copy
 //                       floor also copies k's and the value's bytes once more
-//   --packed-qkv        with --qk-norm or --kv-cache: q and k are the q and k heads of one packed
-//   qkv buffer
+//   --packed-qkv        q and k are the q and k heads of one packed qkv buffer
 //                       [T, (Hq + 2·Hk)·D] (Hk value heads, untouched), as an engine's qkv
-//                       projection leaves them; the copy floor still copies q's and k's bytes
+//                       projection leaves them (give --q T,Hq,D --k T,Hk,D; without --qk-norm or
+//                       --kv-cache: rome::rope_forward on them, in place or into contiguous
+//                       outputs); the copy floor still copies q's and k's bytes
 //   --isa NAME          cap the ISA (scalar|avx2|avx512|amx), or avx512-no-bf16: the AVX-512
 //                       kernels of CPUs without AVX512-BF16 (bf16 narrowed in integer
 //                       arithmetic), on a CPU that has the instructions
@@ -301,11 +302,11 @@ int main(int argc, char** argv) {
   if (q_shape.size() < 2 || q_shape.size() > 5) return usage("--q needs 2 to 5 sizes");
   if (!k_shape.empty() && k_shape.size() != q_shape.size())
     return usage("--k needs as many sizes as --q");
-  // --qk-norm and --kv-cache: the fused passes' token-major operands.
-  const bool token_major = qk_norm || kv_cache;
+  // --qk-norm, --kv-cache and --packed-qkv: token-major operands (the fused passes').
+  const bool token_major = qk_norm || kv_cache || packed_qkv;
   if (token_major && (q_shape.size() != 3 || k_shape.size() != 3 || k_shape[0] != q_shape[0]))
-    return usage("--qk-norm and --kv-cache need --q T,Hq,D and --k T,Hk,D");
-  if (packed_qkv && !token_major) return usage("--packed-qkv needs --qk-norm or --kv-cache");
+    return usage("--qk-norm, --kv-cache and --packed-qkv need --q T,Hq,D and --k T,Hk,D");
+  if (packed_qkv && bsnd) return usage("--packed-qkv is token-major already (no --bsnd)");
   if (table_free && cache <= 0) return usage("--table-free needs --cache P (the positions)");
   if (half_width && (cache <= 0 || table_free))
     return usage("--half-width-cache needs --cache P and tables (not --table-free)");
@@ -413,7 +414,7 @@ int main(int argc, char** argv) {
 
     auto qv = view_of<void*>(q.data, dtype, q_shape, bsnd);
     auto qo = in_place ? qv : view_of<void*>(q_out.data, dtype, q_shape, bsnd);
-    const rome::Operand q_op{rome::as_const(qv), qo};
+    rome::Operand q_op{rome::as_const(qv), qo};
     rome::Operand k_op;
     if (k_elems) {
       auto kv = view_of<void*>(k.data, dtype, k_shape, bsnd);
@@ -454,6 +455,12 @@ int main(int argc, char** argv) {
       kv.value_cache =
           view_of<void*>(value_cache.data, dtype, {cache_blocks, block_size, kv_heads, dim});
       kv.slot_mapping = view_of<const void*>(slots.data(), DType::i64, {seq});
+    }
+    if (packed_qkv && !qk_norm && !kv_cache) {  // rope_forward on the packed q and k heads
+      q_op = {rome::as_const(norm_q),
+              in_place ? norm_q : view_of<void*>(q_out.data, dtype, q_shape)};
+      k_op = {rome::as_const(norm_k),
+              in_place ? norm_k : view_of<void*>(k_out.data, dtype, k_shape)};
     }
     auto rope = [&] {
       if (kv_cache)
