@@ -411,13 +411,15 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
 }
 
 // 3D RoPE rows of the layouts video models use (44/44/40, and Wan's 44/42/42, half rotation in
-// each block, rotary_dim 128), bf16: chunk c's B lanes lie plus[c] lanes after it and minus[c]
-// lanes before it (0: none). Each chunk of x is loaded once; the lanes before a chunk come from
-// the previous two chunks' registers by a byte funnel shift, so in place nothing is read after it
-// was written and the row needs no copy, and the lanes after come from an unaligned load of x
+// each block, rotary_dim 128), bf16 and fp16: chunk c's B lanes lie plus[c] lanes after it and
+// minus[c] lanes before it (0: none). Each chunk of x is loaded once; the lanes before a chunk come
+// from the previous two chunks' registers by a byte funnel shift, so in place nothing is read after
+// it was written and the row needs no copy, and the lanes after come from an unaligned load of x
 // inside the row (in place they are written later) or, at the row's end, from the next chunk's
-// register. Against rows_bf16_shifted's row copies (paired, AVX2 Zen 3, 44/44/40 in place, 1
-// thread): 0.60x the time in L2, 0.72-0.80x on the seed tensor from DRAM.
+// register. The 16-bit lanes move as they are; bf16 then splits into even and odd lanes (tables
+// in even/odd order), fp16 widens each half by F16C (natural tables). Against the row copies
+// (paired, AVX2 Zen 3, 44/44/40 in place, 1 thread): bf16 0.60x the time in L2, 0.72-0.80x on the
+// seed tensor from DRAM.
 struct Layout3d {
   std::int32_t plus[8], minus[8];
 };
@@ -439,7 +441,7 @@ ROME_INLINE __m256i funnel_bytes(__m256i lo, __m256i hi) {
 }
 
 template <const Layout3d& kLayout, typename L, bool kStream>
-ROME_INLINE void row_bf16_3d(const Row<L>& row, const __m256i* minus_mask) {
+ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
   const auto load = [&](int c) ROME_INLINE_LAMBDA {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x + 16 * c));
   };
@@ -464,8 +466,28 @@ ROME_INLINE void row_bf16_3d(const Row<L>& row, const __m256i* minus_mask) {
           const __m256i b = plus == 0    ? before
                             : minus == 0 ? after
                                          : _mm256_blendv_epi8(after, before, minus_mask[C]);
-          bf16_chunk<false, L::kNarrowWithoutNanCheck, kStream>(
-              split_bf16(x[C]), split_bf16(b), row.C + 16 * C, row.S + 16 * C, row.y + 16 * C);
+          const float* c = row.C + 16 * C;
+          const float* s = row.S + 16 * C;
+          auto* y = row.y + 16 * C;
+          if constexpr (L::kDType == DType::bf16) {
+            bf16_chunk<false, L::kNarrowWithoutNanCheck, kStream>(split_bf16(x[C]), split_bf16(b),
+                                                                  c, s, y);
+          } else {  // fp16: natural lanes, widened and narrowed by F16C
+            const __m256 b_low = _mm256_cvtph_ps(_mm256_castsi256_si128(b));
+            const __m256 b_high = _mm256_cvtph_ps(_mm256_extracti128_si256(b, 1));
+            const __m256 low = combine_one_fma(L::load(row.x + 16 * C), _mm256_load_ps(c), b_low,
+                                               _mm256_load_ps(s));
+            const __m256 high =
+                combine_one_fma(L::load(row.x + 16 * C + kW), _mm256_load_ps(c + kW), b_high,
+                                _mm256_load_ps(s + kW));
+            if constexpr (kStream) {
+              L::stream(y, low);
+              L::stream(y + kW, high);
+            } else {
+              L::store(y, low);
+              L::store(y + kW, high);
+            }
+          }
         }(),
         ...);
   }
@@ -473,12 +495,12 @@ ROME_INLINE void row_bf16_3d(const Row<L>& row, const __m256i* minus_mask) {
 }
 
 template <const Layout3d& kLayout, typename L>
-ROME_INLINE void rows_bf16_3d(const Work& w, const ForwardTile& tile) {
+ROME_INLINE void rows_16bit_3d(const Work& w, const ForwardTile& tile) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (stream)
-      row_bf16_3d<kLayout, L, true>(row, w.minus_mask);
+      row_16bit_3d<kLayout, L, true>(row, w.minus_mask);
     else
-      row_bf16_3d<kLayout, L, false>(row, w.minus_mask);
+      row_16bit_3d<kLayout, L, false>(row, w.minus_mask);
   });
 }
 
@@ -542,12 +564,18 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
     if (even_odd_kind(w, w.rd)) {
       if (kind == Kind::pairs) return rows_bf16_pairs<L>(w, tile);
       if (kind == Kind::shifted_two) {
-        if (w.layout_3d == 1) return rows_bf16_3d<kLayouts3d[0], L>(w, tile);
-        if (w.layout_3d == 2) return rows_bf16_3d<kLayouts3d[1], L>(w, tile);
+        if (w.layout_3d == 1) return rows_16bit_3d<kLayouts3d[0], L>(w, tile);
+        if (w.layout_3d == 2) return rows_16bit_3d<kLayouts3d[1], L>(w, tile);
         return rows_bf16_shifted<L>(w, tile);
       }
       return rows_bf16_xor<L>(w, tile);
     }
+  }
+  if constexpr (L::kDType == DType::f16) {
+    if (kind == Kind::shifted_two && w.layout_3d == 1)
+      return rows_16bit_3d<kLayouts3d[0], L>(w, tile);
+    if (kind == Kind::shifted_two && w.layout_3d == 2)
+      return rows_16bit_3d<kLayouts3d[1], L>(w, tile);
   }
   switch (kind) {
     case Kind::pairs: return rows_local<L, true>(w, tile);
