@@ -254,10 +254,10 @@ void expect_bits_of_scalar(
 }
 
 // AVX2's 3D rotations (shifted_two): bf16 rows run 16 lanes at a time on even/odd tables when
-// every 16 lanes take B from at most two offsets (44/44/40 and 44/42/42 on compiled layouts, the
-// rest on row copies), and keep the fp32 row otherwise; every way, and the other dtypes, give the
-// scalar kernel's bits. Near misses of the compiled layouts (the same blocks in another order) must
-// not be taken for them.
+// every 16 lanes take B from at most two offsets, and keep the fp32 row otherwise; bf16 and fp16
+// rows of 44/44/40 and 44/42/42 stay in registers on compiled layouts (also inside wider heads);
+// every way, and fp32, give the scalar kernel's bits, as do near misses of the compiled layouts
+// (the same blocks in another order), which run on the row copies.
 TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMatchesScalar) {
   const std::vector<Isa> isas = isas_under_test();
   if (std::find(isas.begin(), isas.end(), Isa::avx2) == isas.end())
@@ -275,6 +275,8 @@ TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMat
       {{"halves_16_56_56", halves(16, 56, 56)}, true},
       {{"halves_40_44_44", halves(40, 44, 44)}, true},
       {{"halves_42_44_42", halves(42, 44, 42)}, true},
+      {{"halves_44_44_40_of_192", halves(44, 44, 40).partial(192)}, true},
+      {{"halves_44_42_42_of_160", halves(44, 42, 42).partial(160)}, true},
       // 256 lanes: the row copies live in the thread's scratch buffer, not on the stack.
       {{"halves_88_88_80", halves(88, 88, 80)}, true},
       // Lanes 0-15 take B from offsets +6, -6 and +10 (two per 8-lane vector): the fp32 row.

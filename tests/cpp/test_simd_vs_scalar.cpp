@@ -710,14 +710,16 @@ struct Placed {
 };
 
 // The rotation families LargeTensorsStreaming runs for its config-th layout and dtype: one in
-// turn, and for bf16 always the 3D blocks (family 2: AVX2's 16-lane shifted rows), 3D blocks
-// AVX2 cannot take 16 lanes at a time (family 4: shifted_two's paired narrowing and 32-byte
-// streaming stores) and interleave-half (family 5: the same stores from the deinterleave kind).
+// turn; for bf16 and fp16 always the 3D blocks 44/44/40 and 44/42/42 (families 2 and 6: AVX2's
+// rows in registers, 32- and 16-byte streaming stores); for bf16 also 3D blocks AVX2 cannot take
+// 16 lanes at a time (family 4: shifted_two's paired narrowing and 32-byte streaming stores) and
+// interleave-half (family 5: the same stores from the deinterleave kind).
 std::vector<int> families(int config, DType dtype) {
   const int cycled = config % 4;
-  if (dtype != DType::bf16) return {cycled};
-  std::vector<int> out{cycled, 4, 5};
+  if (dtype == DType::f32) return {cycled};
+  std::vector<int> out{cycled, 6};
   if (cycled != 2) out.push_back(2);
+  if (dtype == DType::bf16) out.insert(out.end(), {4, 5});
   return out;
 }
 
@@ -753,7 +755,9 @@ TEST(SimdVsScalar, LargeTensorsStreaming) {
             : family == 3 ? Rotation::half(64).partial(128)
             : family == 4
                 ? Rotation::block_diag({Rotation::half(12), Rotation::half(20), Rotation::half(96)})
-                : Rotation::interleave_half(128);
+            : family == 5 ? Rotation::interleave_half(128)
+                          : Rotation::block_diag(
+                                {Rotation::half(44), Rotation::half(42), Rotation::half(42)});
         const std::int64_t rd = rotation.rotary_dim(), seq = layout.shape[layout.seq_axis];
         // [S, rd] tables for BNSD, [S, 1, rd] for BSND.
         std::vector<float> cos(seq * rd), sin(seq * rd);

@@ -10,12 +10,14 @@
 //  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
 //             widened into an fp32 buffer (block diagonals such as 44+44+40); shifted_two when
 //             two loads always do (every half-block at least 8 lanes): no branches, two vectors
-//             per step, bf16 narrowed and packed as a pair;
+//             per step, bf16 narrowed and packed as a pair (bf16 and fp16 rows of 44/44/40 and
+//             44/42/42 go 16 lanes at a time in registers instead, see below);
 //  - general: vpermps (_mm256_permutevar8x32_ps) steps of the plan, blended into a zeroed
 //             accumulator;
 //  - bf16 rows of the pairs, half and quarter kinds, and of shifted_two where every 16 lanes take
 //    B from at most two offsets (3D RoPE; 44/44/40 and 44/42/42 on compiled layouts that keep the
-//    row in registers), go 16 lanes at a time on tables in even/odd order
+//    row in registers, which fp16 rows take too on natural tables), go 16 lanes at a time on
+//    tables in even/odd order
 //    (TableLayout::even_odd_16): no permute, no pack (8-lane bf16 vectors cost a vpmovzx to
 //    widen and a pack and a lane-crossing shuffle to narrow).
 // 16-bit rows take the one-fma epilogue (kernel_api.hpp: single_fma_epilogue), fp32 rows the
@@ -174,8 +176,8 @@ struct Plan : PlanBase<Avx2> {
   bool bf16_chunks = false;
   const std::int32_t* chunk_offset = nullptr;
   const __m256i* chunk_mask = nullptr;
-  // bf16_chunks rotations of a compiled 3D layout (Layout3d): which one (0: none) and each chunk's
-  // mask of the lanes that take B from before it.
+  // bf16_chunks rotations of a compiled 3D layout (Layout3d; bf16 and fp16 rows): which one
+  // (0: none) and each chunk's mask of the lanes that take B from before it.
   int layout_3d = 0;
   const __m256i* minus_mask = nullptr;
 };
@@ -271,8 +273,9 @@ ROME_INLINE void rows_shifted_two(const Work& w, const ForwardTile& tile) {
 // bf16 rows, 16 lanes at a time without any permute: the 16 values of one 32-byte load split
 // into their even lanes (shifted up) and odd lanes (masked), and the tables come in that order
 // (TableLayout::even_odd_16). Interleave pairs an even lane with the odd lane beside it; half
-// and quarter pair chunk c with chunk c ^ K; 3D rows take their partner lanes from shifted loads
-// (rows_bf16_shifted). The outputs are rounded as Bf16::narrow does and
+// and quarter pair chunk c with chunk c ^ K; 3D rows take their partner lanes from registers
+// (rows_16bit_3d) or shifted loads (rows_bf16_shifted). The outputs are rounded as Bf16::narrow
+// does and
 // merged back by a shift and a word blend: no vpmovzx, pack or lane-crossing shuffle (the
 // splitting and rounding helpers are in avx2_lanes.hpp, shared with the QK-norm kernel).
 template <bool kStream>
@@ -412,14 +415,15 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
 
 // 3D RoPE rows of the layouts video models use (44/44/40, and Wan's 44/42/42, half rotation in
 // each block, rotary_dim 128), bf16 and fp16: chunk c's B lanes lie plus[c] lanes after it and
-// minus[c] lanes before it (0: none). Each chunk of x is loaded once; the lanes before a chunk come
+// minus[c] lanes before it (0: none). Each chunk of x is loaded once into a register (fp16 reads
+// its A lanes again, widening from memory); the lanes before a chunk come
 // from the previous two chunks' registers by a byte funnel shift, so in place nothing is read after
 // it was written and the row needs no copy, and the lanes after come from an unaligned load of x
 // inside the row (in place they are written later) or, at the row's end, from the next chunk's
 // register. The 16-bit lanes move as they are; bf16 then splits into even and odd lanes (tables
-// in even/odd order), fp16 widens each half by F16C (natural tables). Against the row copies
-// (paired, AVX2 Zen 3, 44/44/40 in place, 1 thread): bf16 0.60x the time in L2, 0.72-0.80x on the
-// seed tensor from DRAM.
+// in even/odd order), fp16 widens each half by F16C (natural tables). Paired against what they
+// replace (AVX2 Zen 3, 44/44/40 in place, 1 thread): bf16 against row copies 0.60x the time in
+// L2, 0.72-0.80x on the seed tensor from DRAM; fp16 against the widened fp32 row 0.60x and 0.57x.
 struct Layout3d {
   std::int32_t plus[8], minus[8];
 };
@@ -427,10 +431,24 @@ constexpr Layout3d kLayouts3d[] = {
     {{22, 22, 22, 22, 22, 20, 20, 0}, {0, 22, 22, 0, 22, 22, 20, 20}},  // 44/44/40
     {{22, 22, 21, 21, 21, 21, 21, 0}, {0, 22, 22, 0, 21, 21, 21, 21}},  // 44/42/42
 };
+// What row_16bit_3d relies on: partners 16-32 lanes away (a funnel of two neighbouring chunks),
+// and no lanes after the last chunk.
+constexpr bool layouts_3d_fit() {
+  for (const Layout3d& layout : kLayouts3d) {
+    if (layout.plus[7] != 0) return false;
+    for (int c = 0; c < 8; ++c)
+      if ((layout.plus[c] != 0 && (layout.plus[c] < 16 || layout.plus[c] > 32)) ||
+          (layout.minus[c] != 0 && (layout.minus[c] < 16 || layout.minus[c] > 32)))
+        return false;
+  }
+  return true;
+}
+static_assert(layouts_3d_fit());
 
 // Bytes [N, N + 32) of the 64 bytes lo, hi (lo first), 0 < N < 32.
 template <int N>
 ROME_INLINE __m256i funnel_bytes(__m256i lo, __m256i hi) {
+  static_assert(N > 0 && N < 32);
   const __m256i middle = _mm256_permute2x128_si256(lo, hi, 0x21);
   if constexpr (N < 16)
     return _mm256_alignr_epi8(middle, lo, N);
@@ -440,7 +458,7 @@ ROME_INLINE __m256i funnel_bytes(__m256i lo, __m256i hi) {
     return _mm256_alignr_epi8(hi, middle, N - 16);
 }
 
-template <const Layout3d& kLayout, typename L, bool kStream>
+template <int kLayoutIndex, typename L, bool kStream>
 ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
   const auto load = [&](int c) ROME_INLINE_LAMBDA {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x + 16 * c));
@@ -451,7 +469,8 @@ ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
   [&]<int... C>(std::integer_sequence<int, C...>) ROME_INLINE_LAMBDA {
     (
         [&] {
-          constexpr int plus = kLayout.plus[C], minus = kLayout.minus[C];
+          constexpr int plus = kLayouts3d[kLayoutIndex].plus[C],
+                        minus = kLayouts3d[kLayoutIndex].minus[C];
           // The next chunk is needed now where the lanes after this one run past the row.
           constexpr bool plus_from_next = plus > 0 && 16 * C + plus + 16 > 128;
           if constexpr (C + 1 < 8) x[C + 1] = load(C + 1);
@@ -494,13 +513,13 @@ ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
   (std::make_integer_sequence<int, 8>{});
 }
 
-template <const Layout3d& kLayout, typename L>
+template <int kLayoutIndex, typename L>
 ROME_INLINE void rows_16bit_3d(const Work& w, const ForwardTile& tile) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (stream)
-      row_16bit_3d<kLayout, L, true>(row, w.minus_mask);
+      row_16bit_3d<kLayoutIndex, L, true>(row, w.minus_mask);
     else
-      row_16bit_3d<kLayout, L, false>(row, w.minus_mask);
+      row_16bit_3d<kLayoutIndex, L, false>(row, w.minus_mask);
   });
 }
 
@@ -564,18 +583,16 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
     if (even_odd_kind(w, w.rd)) {
       if (kind == Kind::pairs) return rows_bf16_pairs<L>(w, tile);
       if (kind == Kind::shifted_two) {
-        if (w.layout_3d == 1) return rows_16bit_3d<kLayouts3d[0], L>(w, tile);
-        if (w.layout_3d == 2) return rows_16bit_3d<kLayouts3d[1], L>(w, tile);
+        if (w.layout_3d == 1) return rows_16bit_3d<0, L>(w, tile);
+        if (w.layout_3d == 2) return rows_16bit_3d<1, L>(w, tile);
         return rows_bf16_shifted<L>(w, tile);
       }
       return rows_bf16_xor<L>(w, tile);
     }
   }
   if constexpr (L::kDType == DType::f16) {
-    if (kind == Kind::shifted_two && w.layout_3d == 1)
-      return rows_16bit_3d<kLayouts3d[0], L>(w, tile);
-    if (kind == Kind::shifted_two && w.layout_3d == 2)
-      return rows_16bit_3d<kLayouts3d[1], L>(w, tile);
+    if (kind == Kind::shifted_two && w.layout_3d == 1) return rows_16bit_3d<0, L>(w, tile);
+    if (kind == Kind::shifted_two && w.layout_3d == 2) return rows_16bit_3d<1, L>(w, tile);
   }
   switch (kind) {
     case Kind::pairs: return rows_local<L, true>(w, tile);
