@@ -1051,7 +1051,7 @@ void prepare_table_tile(const ForwardPlan& plan, int64_t* outer, int64_t tokens,
       (t.width == TableWidth::full ||
        (t.width == TableWidth::halves && rd == 2 * t.columns && t.columns % 16 == 0));
   const int64_t period = t.width == TableWidth::full ? rd : t.columns;
-  // A (the cos signs) is the identity for every standard rotation: nothing to fold.
+  // Cos sign words only where A is not the identity (all zero otherwise: nothing to fold).
   const std::uint32_t* cos_signs_even_odd = cos_bits ? r.cos_sign_bits_even_odd_16.data() : nullptr;
   // Table-free half rows, one position per token: the rows kernel writes them into the tile a
   // block of tokens per call (row by row it waited on each row's latency), finished: it xors in

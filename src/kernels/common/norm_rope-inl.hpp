@@ -429,7 +429,8 @@ template <class I, DType D, class L, class O, NormKind K>
       const int group = int(std::min<std::int64_t>(kGroup, tile.count - n0));
       sum_squares_rows<Pass1, D>(tile, n0, group, hd, ss);
       Pass1::inverse_rms(ss, group, hd, norm.eps, scales);
-      auto rows_of = [&](int i) ROME_INLINE_LAMBDA {
+      // Row n0 + i's x and y, its bytes `ahead` asked for.
+      auto row_pointers = [&](int i) ROME_INLINE_LAMBDA {
         const std::int64_t n = n0 + i;
         const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
         for (std::int64_t b = 0; b < prefetch_bytes; b += 64)
@@ -450,7 +451,7 @@ template <class I, DType D, class L, class O, NormKind K>
           const float* sw = folded.sw;
           const float* weights = folded.weights;
           for (int i = 0; i < group; ++i) {
-            const auto [x, y] = rows_of(i);
+            const auto [x, y] = row_pointers(i);
             rotate_row<I, O, K, single_fma_epilogue(D)>(x, y, cw, sw, weights, rd, hd,
                                                         I::set1(scales[i]));
           }
@@ -458,7 +459,7 @@ template <class I, DType D, class L, class O, NormKind K>
         }
       }
       for (int i = 0; i < group; ++i) {
-        const auto [x, y] = rows_of(i);
+        const auto [x, y] = row_pointers(i);
         folded.update(r, tile.cos_row(n0 + i), tile.sin_row(n0 + i), norm.weight);
         if constexpr (K != NormKind::other) {
           if (vector_row(i)) {
