@@ -710,13 +710,12 @@ struct Placed {
 };
 
 // The rotation families LargeTensorsStreaming runs for its config-th layout and dtype: one in
-// turn; for bf16 and fp16 always the 3D blocks 44/44/40 and 44/42/42 (families 2 and 6: AVX2's
-// rows in registers, 32- and 16-byte streaming stores); for bf16 also 3D blocks AVX2 cannot take
-// 16 lanes at a time (family 4: shifted_two's paired narrowing and 32-byte streaming stores) and
+// turn; always the 3D blocks 44/44/40 and 44/42/42 (families 2 and 6: AVX2's rows in registers,
+// with 32-, 16- and fp32 streaming stores); for bf16 also 3D blocks AVX2 cannot take 16 lanes at
+// a time (family 4: shifted_two's paired narrowing and 32-byte streaming stores) and
 // interleave-half (family 5: the same stores from the deinterleave kind).
 std::vector<int> families(int config, DType dtype) {
   const int cycled = config % 4;
-  if (dtype == DType::f32) return {cycled};
   std::vector<int> out{cycled, 6};
   if (cycled != 2) out.push_back(2);
   if (dtype == DType::bf16) out.insert(out.end(), {4, 5});

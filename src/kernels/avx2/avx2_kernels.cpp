@@ -424,26 +424,44 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
 // in even/odd order), fp16 widens each half by F16C (natural tables). Paired against what they
 // replace (AVX2 Zen 3, 44/44/40 in place, 1 thread): bf16 against row copies 0.60x the time in
 // L2, 0.72-0.80x on the seed tensor from DRAM; fp16 against the widened fp32 row 0.60x and 0.57x.
+constexpr int kBlocks3d[][3] = {{44, 44, 40}, {44, 42, 42}};
+
+// Where each vector of kLanes lanes takes its B lanes from, for 3D blocks of half rotations over
+// 128 lanes: plus[v] lanes after it, minus[v] before it (0: none).
+template <int kLanes>
 struct Layout3d {
-  std::int32_t plus[8], minus[8];
+  std::int32_t plus[128 / kLanes] = {}, minus[128 / kLanes] = {};
 };
-constexpr Layout3d kLayouts3d[] = {
-    {{22, 22, 22, 22, 22, 20, 20, 0}, {0, 22, 22, 0, 22, 22, 20, 20}},  // 44/44/40
-    {{22, 22, 21, 21, 21, 21, 21, 0}, {0, 22, 22, 0, 21, 21, 21, 21}},  // 44/42/42
-};
-// What row_16bit_3d relies on: partners 16-32 lanes away (a funnel of two neighbouring chunks),
-// and no lanes after the last chunk.
-constexpr bool layouts_3d_fit() {
-  for (const Layout3d& layout : kLayouts3d) {
-    if (layout.plus[7] != 0) return false;
-    for (int c = 0; c < 8; ++c)
-      if ((layout.plus[c] != 0 && (layout.plus[c] < 16 || layout.plus[c] > 32)) ||
-          (layout.minus[c] != 0 && (layout.minus[c] < 16 || layout.minus[c] > 32)))
-        return false;
+template <int kLanes>
+constexpr Layout3d<kLanes> layout_3d(const int (&blocks)[3]) {
+  Layout3d<kLanes> out;
+  int start = 0;
+  for (int size : blocks) {
+    for (int j = start; j < start + size; ++j) {
+      if (j < start + size / 2)
+        out.plus[j / kLanes] = size / 2;
+      else
+        out.minus[j / kLanes] = size / 2;
+    }
+    start += size;
   }
+  return out;
+}
+// The kernels' assumptions: every vector takes B from at most one offset each way (a block's
+// half spans more than one vector), partners 16-32 lanes away (16-lane rows funnel two
+// neighbouring chunks) and nothing after the last vector.
+template <int kLanes>
+constexpr bool layout_3d_fits(const int (&blocks)[3]) {
+  const Layout3d<kLanes> layout = layout_3d<kLanes>(blocks);
+  if (blocks[0] + blocks[1] + blocks[2] != 128 || layout.plus[128 / kLanes - 1] != 0) return false;
+  for (int size : blocks)
+    if (size % 2 != 0 || size / 2 < 16 || size / 2 > 32) return false;
   return true;
 }
-static_assert(layouts_3d_fit());
+static_assert(layout_3d_fits<16>(kBlocks3d[0]) && layout_3d_fits<16>(kBlocks3d[1]));
+static_assert(layout_3d_fits<8>(kBlocks3d[0]) && layout_3d_fits<8>(kBlocks3d[1]));
+constexpr Layout3d<16> kLayouts3d[] = {layout_3d<16>(kBlocks3d[0]), layout_3d<16>(kBlocks3d[1])};
+constexpr Layout3d<8> kLayouts3dF32[] = {layout_3d<8>(kBlocks3d[0]), layout_3d<8>(kBlocks3d[1])};
 
 // Bytes [N, N + 32) of the 64 bytes lo, hi (lo first), 0 < N < 32.
 template <int N>
@@ -523,6 +541,67 @@ ROME_INLINE void rows_16bit_3d(const Work& w, const ForwardTile& tile) {
   });
 }
 
+// fp32 rows of the same layouts, 8 lanes a vector, two vectors a step (put_pair's epilogue): the
+// lanes before vector v come from the registers of the vectors 2-4 before it, those after it from
+// an unaligned load inside the row or the registers of the vectors after it; a vector with both
+// blends them by its half of the 16-lane chunk's mask. They used to read shifted loads of a copy
+// of the row.
+template <int kLayoutIndex, typename L>
+ROME_INLINE void row_f32_3d(const Work& w, bool stream, const Row<L>& row) {
+  constexpr const Layout3d<8>& kLayout = kLayouts3dF32[kLayoutIndex];
+  const auto load = [&](int v) ROME_INLINE_LAMBDA {
+    return _mm256_castps_si256(_mm256_loadu_ps(row.x + kW * v));
+  };
+  const __m256i zero = _mm256_setzero_si256();
+  __m256i x[16];
+  for (int v = 0; v < 4; ++v) x[v] = load(v);
+  // Lanes [8v + offset, 8v + offset + 8) of the row from registers (zero past the row's end).
+  const auto lanes_at = [&]<int V, int kOffset>() ROME_INLINE_LAMBDA {
+    constexpr int first = 8 * V + kOffset, q = first >= 0 ? first / 8 : -((7 - first) / 8);
+    constexpr int r = first - 8 * q;
+    const __m256i lo = q >= 0 && q < 16 ? x[q >= 0 && q < 16 ? q : 0] : zero;
+    if constexpr (r == 0) return lo;
+    const __m256i hi = q + 1 < 16 && q + 1 >= 0 ? x[q + 1 < 16 && q + 1 >= 0 ? q + 1 : 0] : zero;
+    return funnel_bytes<4 * r>(lo, hi);
+  };
+  const auto b_of = [&]<int V>() ROME_INLINE_LAMBDA {
+    constexpr int plus = kLayout.plus[V], minus = kLayout.minus[V];
+    __m256i after = zero, before = zero;
+    if constexpr (plus > 0 && 8 * V + plus + 8 <= 128)
+      after = _mm256_castps_si256(_mm256_loadu_ps(row.x + kW * V + plus));
+    else if constexpr (plus > 0)
+      after = lanes_at.template operator()<V, plus>();
+    if constexpr (minus > 0) before = lanes_at.template operator()<V, -minus>();
+    if constexpr (plus == 0) return _mm256_castsi256_ps(before);
+    if constexpr (minus == 0) return _mm256_castsi256_ps(after);
+    const __m256i words = w.minus_mask[V / 2];
+    const __m256i mask = _mm256_cvtepi16_epi32(V % 2 == 0 ? _mm256_castsi256_si128(words)
+                                                          : _mm256_extracti128_si256(words, 1));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(after, before, mask));
+  };
+  [&]<int... P>(std::integer_sequence<int, P...>) ROME_INLINE_LAMBDA {
+    (
+        [&] {
+          constexpr int v = 2 * P;
+          if constexpr (v + 4 < 16) x[v + 4] = load(v + 4);
+          if constexpr (v + 5 < 16) x[v + 5] = load(v + 5);
+          const __m256 b0 = b_of.template operator()<v>();
+          const __m256 b1 = b_of.template operator()<v + 1>();
+          put_pair<L>(w, stream, row.y, v, _mm256_castsi256_ps(x[v]), b0,
+                      _mm256_castsi256_ps(x[v + 1]), b1, row.C + kW * v, row.S + kW * v);
+        }(),
+        ...);
+  }
+  (std::make_integer_sequence<int, 8>{});
+}
+
+template <int kLayoutIndex, typename L>
+ROME_INLINE void rows_f32_3d(const Work& w, const ForwardTile& tile) {
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    row_f32_3d<kLayoutIndex, L>(w, stream, row);
+  });
+}
+
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
 // 2u + 1, output vector H + u the other way round; two of each at a time (put_pair) while they
 // last. bf16 splits each 16 lanes by a shift and a mask (split_bf16), other types by shuffles of
@@ -593,6 +672,10 @@ ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile
   if constexpr (L::kDType == DType::f16) {
     if (kind == Kind::shifted_two && w.layout_3d == 1) return rows_16bit_3d<0, L>(w, tile);
     if (kind == Kind::shifted_two && w.layout_3d == 2) return rows_16bit_3d<1, L>(w, tile);
+  }
+  if constexpr (L::kDType == DType::f32) {
+    if (kind == Kind::shifted_two && w.layout_3d == 1) return rows_f32_3d<0, L>(w, tile);
+    if (kind == Kind::shifted_two && w.layout_3d == 2) return rows_f32_3d<1, L>(w, tile);
   }
   switch (kind) {
     case Kind::pairs: return rows_local<L, true>(w, tile);
@@ -696,7 +779,7 @@ bool classify_chunks(const RotationData& r, const Work& w, std::int32_t* offset,
 int classify_3d(const RotationData& r, const Work& w, __m256i* minus_mask) {
   if (w.rd != 128) return 0;
   for (int i = 0; i < int(std::size(kLayouts3d)); ++i) {
-    const Layout3d& layout = kLayouts3d[i];
+    const Layout3d<16>& layout = kLayouts3d[i];
     bool match = true;
     for (std::int64_t k = 0; k < 8 && match; ++k) {
       alignas(32) std::uint16_t before[16] = {};
