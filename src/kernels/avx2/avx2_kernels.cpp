@@ -10,8 +10,8 @@
 //  - shifted: every output vector is a lane blend of at most three unaligned loads of the row
 //             widened into an fp32 buffer (block diagonals such as 44+44+40); shifted_two when
 //             two loads always do (every half-block at least 8 lanes): no branches, two vectors
-//             per step, bf16 narrowed and packed as a pair (bf16 and fp16 rows of 44/44/40 and
-//             44/42/42 go 16 lanes at a time in registers instead, see below);
+//             per step, bf16 narrowed and packed as a pair (rows of 44/44/40 and 44/42/42 read
+//             their partner lanes from registers instead, see below);
 //  - general: vpermps (_mm256_permutevar8x32_ps) steps of the plan, blended into a zeroed
 //             accumulator;
 //  - bf16 rows of the pairs, half and quarter kinds, and of shifted_two where every 16 lanes take
@@ -176,8 +176,8 @@ struct Plan : PlanBase<Avx2> {
   bool bf16_chunks = false;
   const std::int32_t* chunk_offset = nullptr;
   const __m256i* chunk_mask = nullptr;
-  // bf16_chunks rotations of a compiled 3D layout (Layout3d; bf16 and fp16 rows): which one
-  // (0: none) and each chunk's mask of the lanes that take B from before it.
+  // bf16_chunks rotations of a compiled 3D layout (Layout3d; rows of every dtype): which one
+  // (0: none) and each 16-lane chunk's mask of the lanes that take B from before it.
   int layout_3d = 0;
   const __m256i* minus_mask = nullptr;
 };
