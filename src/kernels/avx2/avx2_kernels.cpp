@@ -161,8 +161,9 @@ struct Avx2 {
 // whose blocks are not multiples of 8 lanes, e.g. 3D RoPE 44+44+40: a vector straddles at most
 // two half-blocks, so two or three loads replace a chain of cross-lane permutes).
 // shifted_two: every vector has a B source in every lane from at most two loads, the row is
-// whole vectors and an even number of them (3D RoPE 44+44+40 and 16+56+56: every half-block has
-// at least 8 lanes): two loads and one blend per vector, no branches, two vectors per step.
+// whole vectors and an even number of them (3D RoPE such as 16+56+56 or 88+88+80: every
+// half-block has at least 8 lanes): two loads and one blend per vector, no branches, two vectors
+// per step. 44+44+40 and 44+42+42 take the register rows below instead.
 constexpr int kMaxShifts = 3;
 
 struct Plan : PlanBase<Avx2> {
@@ -414,16 +415,16 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
 }
 
 // 3D RoPE rows of the layouts video models use (44/44/40, and Wan's 44/42/42, half rotation in
-// each block, rotary_dim 128), bf16 and fp16: chunk c's B lanes lie plus[c] lanes after it and
-// minus[c] lanes before it (0: none). Each chunk of x is loaded once into a register (fp16 reads
-// its A lanes again, widening from memory); the lanes before a chunk come
-// from the previous two chunks' registers by a byte funnel shift, so in place nothing is read after
-// it was written and the row needs no copy, and the lanes after come from an unaligned load of x
-// inside the row (in place they are written later) or, at the row's end, from the next chunk's
-// register. The 16-bit lanes move as they are; bf16 then splits into even and odd lanes (tables
-// in even/odd order), fp16 widens each half by F16C (natural tables). Paired against what they
-// replace (AVX2 Zen 3, 44/44/40 in place, 1 thread): bf16 against row copies 0.60x the time in
-// L2, 0.72-0.80x on the seed tensor from DRAM; fp16 against the widened fp32 row 0.60x and 0.57x.
+// each block, rotary_dim 128), 16-bit rows here (fp32 below): chunk c's B lanes lie plus[c] lanes
+// after it and minus[c] lanes before it (0: none). Each chunk of x is loaded once into a register
+// (fp16 reads its A lanes again, widening from memory); the lanes before a chunk come from the
+// previous two chunks' registers by a byte funnel shift, so in place nothing is read after it was
+// written and the row needs no copy, and the lanes after come from an unaligned load of x inside
+// the row (in place they are written later) or, at the row's end, from the next chunk's register.
+// The 16-bit lanes move as they are; bf16 then splits into even and odd lanes (tables in even/odd
+// order), fp16 widens each half by F16C (natural tables). Paired against what they replace (AVX2
+// Zen 3, 44/44/40 in place, 1 thread): bf16 against row copies 0.60x the time in L2, 0.72-0.80x on
+// the seed tensor from DRAM; fp16 against the widened fp32 row 0.60x and 0.57x.
 constexpr int kBlocks3d[][3] = {{44, 44, 40}, {44, 42, 42}};
 
 // Where each vector of kLanes lanes takes its B lanes from, for 3D blocks of half rotations over
@@ -447,15 +448,16 @@ constexpr Layout3d<kLanes> layout_3d(const int (&blocks)[3]) {
   }
   return out;
 }
-// The kernels' assumptions: every vector takes B from at most one offset each way (a block's
-// half spans more than one vector), partners 16-32 lanes away (16-lane rows funnel two
-// neighbouring chunks) and nothing after the last vector.
+// The kernels' assumptions: every vector takes B from at most one offset each way (each half of
+// a block is at least 16 lanes, so no vector meets two blocks' first or second halves), partners
+// strictly between 16 and 32 lanes away and not a whole number of vectors (the funnels shift by
+// 1-31 bytes), nothing after the last vector.
 template <int kLanes>
 constexpr bool layout_3d_fits(const int (&blocks)[3]) {
   const Layout3d<kLanes> layout = layout_3d<kLanes>(blocks);
   if (blocks[0] + blocks[1] + blocks[2] != 128 || layout.plus[128 / kLanes - 1] != 0) return false;
   for (int size : blocks)
-    if (size % 2 != 0 || size / 2 < 16 || size / 2 > 32) return false;
+    if (size % 2 != 0 || size / 2 <= 16 || size / 2 >= 32 || (size / 2) % 8 == 0) return false;
   return true;
 }
 static_assert(layout_3d_fits<16>(kBlocks3d[0]) && layout_3d_fits<16>(kBlocks3d[1]));
@@ -555,12 +557,13 @@ ROME_INLINE void row_f32_3d(const Work& w, bool stream, const Row<L>& row) {
   const __m256i zero = _mm256_setzero_si256();
   __m256i x[16];
   for (int v = 0; v < 4; ++v) x[v] = load(v);
-  // Lanes [8v + offset, 8v + offset + 8) of the row from registers (zero past the row's end).
+  // Lanes [8v + offset, 8v + offset + 8) of the row from registers (zero before the row's start
+  // and past its end).
   const auto lanes_at = [&]<int V, int kOffset>() ROME_INLINE_LAMBDA {
     constexpr int first = 8 * V + kOffset, q = first >= 0 ? first / 8 : -((7 - first) / 8);
     constexpr int r = first - 8 * q;
     const __m256i lo = q >= 0 && q < 16 ? x[q >= 0 && q < 16 ? q : 0] : zero;
-    if constexpr (r == 0) return lo;
+    static_assert(r != 0, "layout_3d_fits: partners are not whole vectors away");
     const __m256i hi = q + 1 < 16 && q + 1 >= 0 ? x[q + 1 < 16 && q + 1 >= 0 ? q + 1 : 0] : zero;
     return funnel_bytes<4 * r>(lo, hi);
   };
@@ -785,8 +788,12 @@ int classify_3d(const RotationData& r, const Work& w, __m256i* minus_mask) {
       alignas(32) std::uint16_t before[16] = {};
       for (int l = 0; l < 16 && match; ++l) {
         const std::int64_t j = 16 * k + l, off = r.b.src[j] - j;
-        match = r.b.sign[j] != 0 && ((layout.plus[k] > 0 && off == layout.plus[k]) ||
-                                     (layout.minus[k] > 0 && off == -layout.minus[k]));
+        // Each 8-lane vector's own offsets too (the fp32 rows blend only where their vector has
+        // both).
+        const Layout3d<8>& vectors = kLayouts3dF32[i];
+        match = r.b.sign[j] != 0 &&
+                ((layout.plus[k] > 0 && off == layout.plus[k] && off == vectors.plus[j / 8]) ||
+                 (layout.minus[k] > 0 && off == -layout.minus[k] && off == -vectors.minus[j / 8]));
         before[l] = off < 0 ? 0xffff : 0;
       }
       minus_mask[k] = _mm256_load_si256(reinterpret_cast<const __m256i*>(before));
