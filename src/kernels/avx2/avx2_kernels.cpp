@@ -177,10 +177,9 @@ struct Plan : PlanBase<Avx2> {
   bool bf16_chunks = false;
   const std::int32_t* chunk_offset = nullptr;
   const __m256i* chunk_mask = nullptr;
-  // bf16_chunks rotations of a compiled 3D layout (Layout3d; rows of every dtype): which one
-  // (0: none) and each 16-lane chunk's mask of the lanes that take B from before it.
+  // bf16_chunks rotations that are a compiled 3D layout (kBlocks3d; rows of every dtype): which
+  // one, 1-based (0: none).
   int layout_3d = 0;
-  const __m256i* minus_mask = nullptr;
 };
 using Work = permute::Work<Plan>;
 
@@ -427,24 +426,33 @@ ROME_INLINE void rows_bf16_shifted(const Work& w, const ForwardTile& tile) {
 // the seed tensor from DRAM; fp16 against the widened fp32 row 0.60x and 0.57x.
 constexpr int kBlocks3d[][3] = {{44, 44, 40}, {44, 42, 42}};
 
-// Where each vector of kLanes lanes takes its B lanes from, for 3D blocks of half rotations over
-// 128 lanes: plus[v] lanes after it, minus[v] before it (0: none).
+// Where lane j of half rotations in `blocks` takes B from: +h lanes in the first half of a block
+// of 2h lanes, -h in its second.
+constexpr int partner_offset_3d(const int (&blocks)[3], int j) {
+  int start = 0;
+  for (int size : blocks) {
+    if (j < start + size) return j < start + size / 2 ? size / 2 : -(size / 2);
+    start += size;
+  }
+  return 0;
+}
+
+// The same per vector of kLanes lanes over 128 lanes: B lies plus[v] lanes after it and minus[v]
+// before it (0: none), `before` is the blend mask of the lanes that take B from before (16-bit
+// words for 16-lane chunks, dwords for 8 fp32 lanes).
 template <int kLanes>
 struct Layout3d {
+  using Word = std::conditional_t<kLanes == 16, std::uint16_t, std::uint32_t>;
   std::int32_t plus[128 / kLanes] = {}, minus[128 / kLanes] = {};
+  alignas(32) Word before[128 / kLanes][kLanes] = {};
 };
 template <int kLanes>
 constexpr Layout3d<kLanes> layout_3d(const int (&blocks)[3]) {
   Layout3d<kLanes> out;
-  int start = 0;
-  for (int size : blocks) {
-    for (int j = start; j < start + size; ++j) {
-      if (j < start + size / 2)
-        out.plus[j / kLanes] = size / 2;
-      else
-        out.minus[j / kLanes] = size / 2;
-    }
-    start += size;
+  for (int j = 0; j < 128; ++j) {
+    const int offset = partner_offset_3d(blocks, j);
+    (offset > 0 ? out.plus : out.minus)[j / kLanes] = offset > 0 ? offset : -offset;
+    out.before[j / kLanes][j % kLanes] = offset < 0 ? typename Layout3d<kLanes>::Word(~0u) : 0;
   }
   return out;
 }
@@ -478,8 +486,24 @@ ROME_INLINE __m256i funnel_bytes(__m256i lo, __m256i hi) {
     return _mm256_alignr_epi8(hi, middle, N - 16);
 }
 
+// x[I] or zero where I is outside the row's vectors.
+template <int I, int N>
+ROME_INLINE __m256i vector_or_zero(const __m256i (&x)[N]) {
+  if constexpr (I >= 0 && I < N)
+    return x[I];
+  else
+    return _mm256_setzero_si256();
+}
+
+// The blend mask of vector v's lanes that take B from before it.
+template <int kLanes>
+ROME_INLINE __m256i before_mask(const Layout3d<kLanes>& layout, int v) {
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(layout.before[v]));
+}
+
 template <int kLayoutIndex, typename L, bool kStream>
-ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
+ROME_INLINE void row_16bit_3d(const Row<L>& row) {
+  constexpr const Layout3d<16>& kLayout = kLayouts3d[kLayoutIndex];
   const auto load = [&](int c) ROME_INLINE_LAMBDA {
     return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x + 16 * c));
   };
@@ -489,8 +513,7 @@ ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
   [&]<int... C>(std::integer_sequence<int, C...>) ROME_INLINE_LAMBDA {
     (
         [&] {
-          constexpr int plus = kLayouts3d[kLayoutIndex].plus[C],
-                        minus = kLayouts3d[kLayoutIndex].minus[C];
+          constexpr int plus = kLayout.plus[C], minus = kLayout.minus[C];
           // The next chunk is needed now where the lanes after this one run past the row.
           constexpr bool plus_from_next = plus > 0 && 16 * C + plus + 16 > 128;
           if constexpr (C + 1 < 8) x[C + 1] = load(C + 1);
@@ -500,11 +523,12 @@ ROME_INLINE void row_16bit_3d(const Row<L>& row, const __m256i* minus_mask) {
           else if constexpr (plus > 0)
             after = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row.x + 16 * C + plus));
           if constexpr (minus > 0)
-            before = funnel_bytes<64 - 2 * minus>(C >= 2 ? x[C >= 2 ? C - 2 : 0] : zero,
-                                                  C >= 1 ? x[C >= 1 ? C - 1 : 0] : zero);
-          const __m256i b = plus == 0    ? before
-                            : minus == 0 ? after
-                                         : _mm256_blendv_epi8(after, before, minus_mask[C]);
+            before =
+                funnel_bytes<64 - 2 * minus>(vector_or_zero<C - 2>(x), vector_or_zero<C - 1>(x));
+          const __m256i b = plus == 0 ? before
+                            : minus == 0
+                                ? after
+                                : _mm256_blendv_epi8(after, before, before_mask(kLayout, C));
           const float* c = row.C + 16 * C;
           const float* s = row.S + 16 * C;
           auto* y = row.y + 16 * C;
@@ -537,17 +561,16 @@ template <int kLayoutIndex, typename L>
 ROME_INLINE void rows_16bit_3d(const Work& w, const ForwardTile& tile) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (stream)
-      row_16bit_3d<kLayoutIndex, L, true>(row, w.minus_mask);
+      row_16bit_3d<kLayoutIndex, L, true>(row);
     else
-      row_16bit_3d<kLayoutIndex, L, false>(row, w.minus_mask);
+      row_16bit_3d<kLayoutIndex, L, false>(row);
   });
 }
 
 // fp32 rows of the same layouts, 8 lanes a vector, two vectors a step (put_pair's epilogue): the
 // lanes before vector v come from the registers of the vectors 2-4 before it, those after it from
 // an unaligned load inside the row or the registers of the vectors after it; a vector with both
-// blends them by its half of the 16-lane chunk's mask. They used to read shifted loads of a copy
-// of the row.
+// blends them. They used to read shifted loads of a copy of the row.
 template <int kLayoutIndex, typename L>
 ROME_INLINE void row_f32_3d(const Work& w, bool stream, const Row<L>& row) {
   constexpr const Layout3d<8>& kLayout = kLayouts3dF32[kLayoutIndex];
@@ -562,10 +585,8 @@ ROME_INLINE void row_f32_3d(const Work& w, bool stream, const Row<L>& row) {
   const auto lanes_at = [&]<int V, int kOffset>() ROME_INLINE_LAMBDA {
     constexpr int first = 8 * V + kOffset, q = first >= 0 ? first / 8 : -((7 - first) / 8);
     constexpr int r = first - 8 * q;
-    const __m256i lo = q >= 0 && q < 16 ? x[q >= 0 && q < 16 ? q : 0] : zero;
     static_assert(r != 0, "layout_3d_fits: partners are not whole vectors away");
-    const __m256i hi = q + 1 < 16 && q + 1 >= 0 ? x[q + 1 < 16 && q + 1 >= 0 ? q + 1 : 0] : zero;
-    return funnel_bytes<4 * r>(lo, hi);
+    return funnel_bytes<4 * r>(vector_or_zero<q>(x), vector_or_zero<q + 1>(x));
   };
   const auto b_of = [&]<int V>() ROME_INLINE_LAMBDA {
     constexpr int plus = kLayout.plus[V], minus = kLayout.minus[V];
@@ -577,10 +598,7 @@ ROME_INLINE void row_f32_3d(const Work& w, bool stream, const Row<L>& row) {
     if constexpr (minus > 0) before = lanes_at.template operator()<V, -minus>();
     if constexpr (plus == 0) return _mm256_castsi256_ps(before);
     if constexpr (minus == 0) return _mm256_castsi256_ps(after);
-    const __m256i words = w.minus_mask[V / 2];
-    const __m256i mask = _mm256_cvtepi16_epi32(V % 2 == 0 ? _mm256_castsi256_si128(words)
-                                                          : _mm256_extracti128_si256(words, 1));
-    return _mm256_castsi256_ps(_mm256_blendv_epi8(after, before, mask));
+    return _mm256_castsi256_ps(_mm256_blendv_epi8(after, before, before_mask(kLayout, V)));
   };
   [&]<int... P>(std::integer_sequence<int, P...>) ROME_INLINE_LAMBDA {
     (
@@ -603,6 +621,22 @@ ROME_INLINE void rows_f32_3d(const Work& w, const ForwardTile& tile) {
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     row_f32_3d<kLayoutIndex, L>(w, stream, row);
   });
+}
+
+// Rows of the compiled 3D layout w.layout_3d, by dtype.
+template <typename L>
+ROME_INLINE void rows_3d(const Work& w, const ForwardTile& tile) {
+  auto rows = [&]<int kLayoutIndex>() ROME_INLINE_LAMBDA {
+    if constexpr (L::kDType == DType::f32)
+      rows_f32_3d<kLayoutIndex, L>(w, tile);
+    else
+      rows_16bit_3d<kLayoutIndex, L>(w, tile);
+  };
+  static_assert(std::size(kBlocks3d) == 2);
+  if (w.layout_3d == 1)
+    rows.template operator()<0>();
+  else
+    rows.template operator()<1>();
 }
 
 // Output vector u takes A from the even lanes and B from the odd lanes of input vectors 2u and
@@ -661,24 +695,14 @@ bool even_odd_kind(const Plan& p, std::int64_t rd) {
 
 template <typename L>
 ROME_INLINE void dispatch_rows(Kind kind, const Work& w, const ForwardTile& tile) {
+  // layout_3d is set only with bf16_chunks, where bf16 tables are in even/odd order.
+  if (kind == Kind::shifted_two && w.layout_3d > 0) return rows_3d<L>(w, tile);
   if constexpr (L::kDType == DType::bf16) {
     if (even_odd_kind(w, w.rd)) {
       if (kind == Kind::pairs) return rows_bf16_pairs<L>(w, tile);
-      if (kind == Kind::shifted_two) {
-        if (w.layout_3d == 1) return rows_16bit_3d<0, L>(w, tile);
-        if (w.layout_3d == 2) return rows_16bit_3d<1, L>(w, tile);
-        return rows_bf16_shifted<L>(w, tile);
-      }
+      if (kind == Kind::shifted_two) return rows_bf16_shifted<L>(w, tile);
       return rows_bf16_xor<L>(w, tile);
     }
-  }
-  if constexpr (L::kDType == DType::f16) {
-    if (kind == Kind::shifted_two && w.layout_3d == 1) return rows_16bit_3d<0, L>(w, tile);
-    if (kind == Kind::shifted_two && w.layout_3d == 2) return rows_16bit_3d<1, L>(w, tile);
-  }
-  if constexpr (L::kDType == DType::f32) {
-    if (kind == Kind::shifted_two && w.layout_3d == 1) return rows_f32_3d<0, L>(w, tile);
-    if (kind == Kind::shifted_two && w.layout_3d == 2) return rows_f32_3d<1, L>(w, tile);
   }
   switch (kind) {
     case Kind::pairs: return rows_local<L, true>(w, tile);
@@ -777,35 +801,22 @@ bool classify_chunks(const RotationData& r, const Work& w, std::int32_t* offset,
   return true;
 }
 
-// Which compiled 3D layout (1-based index into kLayouts3d, 0: none) B is, and each chunk's mask
-// of the lanes that take B from before it.
-int classify_3d(const RotationData& r, const Work& w, __m256i* minus_mask) {
+// Which compiled 3D layout (1-based index into kBlocks3d, 0: none) B is: every lane's partner
+// offset as the blocks give it.
+int classify_3d(const RotationData& r, const Work& w) {
   if (w.rd != 128) return 0;
-  for (int i = 0; i < int(std::size(kLayouts3d)); ++i) {
-    const Layout3d<16>& layout = kLayouts3d[i];
+  for (int i = 0; i < int(std::size(kBlocks3d)); ++i) {
     bool match = true;
-    for (std::int64_t k = 0; k < 8 && match; ++k) {
-      alignas(32) std::uint16_t before[16] = {};
-      for (int l = 0; l < 16 && match; ++l) {
-        const std::int64_t j = 16 * k + l, off = r.b.src[j] - j;
-        // Each 8-lane vector's own offsets too (the fp32 rows blend only where their vector has
-        // both).
-        const Layout3d<8>& vectors = kLayouts3dF32[i];
-        match = r.b.sign[j] != 0 &&
-                ((layout.plus[k] > 0 && off == layout.plus[k] && off == vectors.plus[j / 8]) ||
-                 (layout.minus[k] > 0 && off == -layout.minus[k] && off == -vectors.minus[j / 8]));
-        before[l] = off < 0 ? 0xffff : 0;
-      }
-      minus_mask[k] = _mm256_load_si256(reinterpret_cast<const __m256i*>(before));
-    }
+    for (std::int64_t j = 0; j < 128 && match; ++j)
+      match = r.b.sign[j] != 0 && r.b.src[j] - j == partner_offset_3d(kBlocks3d[i], int(j));
     if (match) return i + 1;
   }
   return 0;
 }
 
 // The plan of a rotation, its arrays in `storage`: idx, mask (V vectors each), step masks of B
-// and A, shift masks (kMaxShifts·V), chunk and minus masks (V/2 each), src, src_n, shift_count (V
-// each), shift_offset (kMaxShifts·V), chunk offsets (V).
+// and A, shift masks (kMaxShifts·V), chunk masks (V/2), src, src_n, shift_count (V each),
+// shift_offset (kMaxShifts·V), chunk offsets (V).
 Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   const VectorPermutePlan& pa = r.avx2.a;
   const VectorPermutePlan& pb = r.avx2.b;
@@ -813,9 +824,8 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   const std::int64_t a_steps = r.a_identity ? 0 : std::int64_t(pa.steps.size());
   const std::int64_t b_steps = std::int64_t(pb.steps.size());
   const std::int64_t chunks = V / 2;
-  const std::size_t bytes =
-      std::size_t(2 * V + a_steps + b_steps + kMaxShifts * V + 2 * chunks) * 32 +
-      std::size_t(V) * 16 + std::size_t(kMaxShifts * V) * 4;
+  const std::size_t bytes = std::size_t(2 * V + a_steps + b_steps + kMaxShifts * V + chunks) * 32 +
+                            std::size_t(V) * 16 + std::size_t(kMaxShifts * V) * 4;
   char* base = static_cast<char*>(storage.get(bytes));
   auto* idx = reinterpret_cast<__m256i*>(base);
   auto* mask = reinterpret_cast<__m256*>(idx + V);
@@ -823,8 +833,7 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   auto* a_masks = b_masks + b_steps;
   auto* shift_mask = a_masks + a_steps;
   auto* chunk_mask = reinterpret_cast<__m256i*>(shift_mask + kMaxShifts * V);
-  auto* minus_mask = chunk_mask + chunks;
-  auto* src = reinterpret_cast<std::int32_t*>(minus_mask + chunks);
+  auto* src = reinterpret_cast<std::int32_t*>(chunk_mask + chunks);
   auto* src_n = src + V;
   auto* shift_count = src_n + V;
   auto* shift_offset = shift_count + V;
@@ -835,7 +844,7 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
       classify_shifted(r, w, shift_count, shift_offset, shift_mask))
     p.kind = two_shifts(r, w, shift_count) ? Kind::shifted_two : Kind::shifted;
   p.bf16_chunks = p.kind == Kind::shifted_two && classify_chunks(r, w, chunk_offset, chunk_mask);
-  if (p.bf16_chunks) p.layout_3d = classify_3d(r, w, minus_mask);
+  if (p.bf16_chunks) p.layout_3d = classify_3d(r, w);
   for (std::int64_t i = 0; i < b_steps; ++i) b_masks[i] = blend_mask(pb.steps[i].lanes);
   for (std::int64_t i = 0; i < a_steps; ++i) a_masks[i] = blend_mask(pa.steps[i].lanes);
   p.idx = idx;
@@ -849,7 +858,6 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   p.shift_mask = shift_mask;
   p.chunk_offset = chunk_offset;
   p.chunk_mask = chunk_mask;
-  p.minus_mask = minus_mask;
   return p;
 }
 
