@@ -140,13 +140,12 @@ using NarrowBf16Fn = void (*)(std::int64_t n, const float* in, std::uint16_t* ou
 // fp32, or bf16 (dtype), whose value is the upper half of its fp32 bits. out[k + i] for 16-lane
 // chunk k gets chunk lane 2i (i < 8) or 2(i - 8) + 1 (i >= 8), with its bits xor-ed with signs[k +
 // i] (null: none) and with flip (each 0 or the sign bit 0x80000000), and every NaN given the quiet
-// bit and 16 zero low bits. Such rows
-// let the bf16 kernels narrow without a NaN case (nan_results_low_bits_zero; the case cost 5-10% of
-// a bf16 call): the one-fma epilogue returns such an input quietened, and rounding it to bf16 keeps
-// its high half, which is the NaN case's result for the original value. Without the quiet bit a
-// signalling NaN with only low payload bits would become an infinity. Pure bit movement: every
-// ISA gives the same bits. out may be the row itself (fp32, full width): each chunk is read
-// before it is written.
+// bit and 16 zero low bits. Such rows let the bf16 kernels narrow without a NaN case
+// (nan_results_low_bits_zero; the case cost 5-10% of a bf16 call): the one-fma epilogue returns
+// such an input quietened, and rounding it to bf16 keeps its high half, which is the NaN case's
+// result for the original value. Without the quiet bit a signalling NaN with only low payload bits
+// would become an infinity. Pure bit movement: every ISA gives the same bits. out may be the row
+// itself (fp32, full width): each chunk is read before it is written.
 using SpreadEvenOdd16Fn = void (*)(const void* row, DType dtype, std::int64_t period,
                                    const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
                                    float* out);

@@ -254,10 +254,10 @@ void expect_bits_of_scalar(
 }
 
 // AVX2's 3D rotations (shifted_two): bf16 rows run 16 lanes at a time on even/odd tables when
-// every 16 lanes take B from at most two offsets, and keep the fp32 row otherwise; bf16 and fp16
-// rows of 44/44/40 and 44/42/42 stay in registers on compiled layouts (also inside wider heads);
-// every way, and fp32, give the scalar kernel's bits, as do near misses of the compiled layouts
-// (the same blocks in another order), which run on the row copies.
+// every 16 lanes take B from at most two offsets, and keep the fp32 row otherwise; rows of
+// 44/44/40 and 44/42/42 in every dtype stay in registers on compiled layouts (also inside wider
+// heads); every way gives the scalar kernel's bits, as do near misses of the compiled layouts (the
+// same blocks in another order), which run on the row copies.
 TEST(Avx2ShiftedRows, EvenOddTablesWhereSixteenLanesTakeTwoOffsetsAndEveryWayMatchesScalar) {
   const std::vector<Isa> isas = isas_under_test();
   if (std::find(isas.begin(), isas.end(), Isa::avx2) == isas.end())

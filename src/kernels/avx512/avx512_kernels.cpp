@@ -609,10 +609,17 @@ int avx512_compiled_plan(const detail::RotationData& rotation) {
 }
 
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
-  static const KernelTable table{"avx512", forward_permute_any<false>, avx512_forward_dense,
-                                 avx512_accumulate_product, nullptr, avx512_forward_norm_permute,
-                                 nullptr, avx512_cos_sin, avx512_cos_sin_rows, narrow_bf16,
-                                 // No AVX-512 kernel asks for even/odd rows (only tests).
+  // No AVX-512 kernel asks for even/odd table rows (only tests do): the scalar spread serves.
+  static const KernelTable table{"avx512",
+                                 forward_permute_any<false>,
+                                 avx512_forward_dense,
+                                 avx512_accumulate_product,
+                                 nullptr,
+                                 avx512_forward_norm_permute,
+                                 nullptr,
+                                 avx512_cos_sin,
+                                 avx512_cos_sin_rows,
+                                 narrow_bf16,
                                  scalar_spread_even_odd_16};
   static const KernelTable table_bf16{"avx512",
                                       forward_permute_any<true>,
