@@ -232,16 +232,6 @@ bool outgrows_cache_share(std::int64_t bytes) noexcept {
   return bytes > cache_sizes().l3_per_thread * 3 / 4;
 }
 
-void stream_bytes(char* d, const char* s, std::size_t n) noexcept {
-#if defined(__SSE2__)
-  for (std::size_t i = 0; i < n; i += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i)));
-#else
-  std::memcpy(d, s, n);
-#endif
-}
-
 void fence_streamed() noexcept {
 #if defined(__SSE2__)
   _mm_sfence();
@@ -250,13 +240,7 @@ void fence_streamed() noexcept {
 
 void stream_copy(void* dst, const void* src, std::size_t n) noexcept {
   if (n == 0) return;
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-  const std::size_t head = std::min(n, (16 - reinterpret_cast<std::uintptr_t>(d) % 16) % 16);
-  std::memcpy(d, s, head);
-  const std::size_t body = (n - head) / 16 * 16;
-  stream_bytes(d + head, s + head, body);
-  std::memcpy(d + head + body, s + head + body, n - head - body);
+  active_kernels().stream_copy(dst, src, n);
   fence_streamed();
 }
 

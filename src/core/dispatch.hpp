@@ -40,13 +40,11 @@ const CacheSizes& cache_sizes() noexcept;
 // where the copy floor does (a VM reports its host's whole L3, and outputs below that paid the
 // read-for-ownership of every line; BENCHMARKS.md).
 bool outgrows_cache_share(std::int64_t bytes) noexcept;
-// n bytes (a multiple of 16, d 16-byte aligned) with non-temporal stores; SSE2, which every
-// x86-64 CPU has: the store bandwidth, not the vector width, limits a copy to memory. Elsewhere
-// a plain copy. fence_streamed orders such stores before whatever publishes them (a pool's join).
-void stream_bytes(char* d, const char* s, std::size_t n) noexcept;
+// Orders non-temporal stores (KernelTable::stream_copy) before whatever publishes them (a pool's
+// join).
 void fence_streamed() noexcept;
-// A whole copy that way (any alignment; the ends plain), fenced: the benchmarks' streaming copy
-// floor (bench/common/copy_floor.hpp says why memcpy alone is not one).
+// The active kernels' stream_copy, fenced: the benchmarks' streaming copy floor
+// (bench/common/copy_floor.hpp says why memcpy alone is not one).
 void stream_copy(void* dst, const void* src, std::size_t n) noexcept;
 // Tests only: report `sizes` instead of this CPU's (nullptr: back to normal), so that cache-size
 // decisions (streaming stores, tile budgets) are exercised on any machine.

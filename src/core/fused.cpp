@@ -232,8 +232,8 @@ void run_fused(const Rotation& rotation, const Tables& tables, const TensorView&
   const bool stream_cache =
       kv && detail::outgrows_cache_share(2 * tokens * k.shape[1] * kv_row_bytes);
   auto copy_row = [&](char* d, const char* s, std::size_t n) {
-    if (stream_cache && (reinterpret_cast<std::uintptr_t>(d) & 15) == 0 && n % 16 == 0)
-      detail::stream_bytes(d, s, n);
+    if (stream_cache)
+      table.stream_copy(d, s, n);
     else
       std::memcpy(d, s, n);
   };

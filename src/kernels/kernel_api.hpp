@@ -2,6 +2,7 @@
 // into tiles and prepares their table rows; a kernel rotates the rows of one tile.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "../core/rotation_data.hpp"
@@ -150,6 +151,10 @@ using SpreadEvenOdd16Fn = void (*)(const void* row, DType dtype, std::int64_t pe
                                    const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
                                    float* out);
 
+// n bytes from src to dst (disjoint): the 64-byte aligned lines of dst with non-temporal stores,
+// the ends plain. No fence: the caller orders the stores (an sfence) before publishing them.
+using StreamCopyFn = void (*)(void* dst, const void* src, std::size_t n);
+
 struct KernelTable {
   const char* name;
   ForwardFn forward_permute;  // rotation.kind == signed_permutation
@@ -162,6 +167,7 @@ struct KernelTable {
   CosSinRowsFn cos_sin_rows;             // the same, a row of frequencies per position
   NarrowBf16Fn narrow_bf16;              // tables::to_bf16_bits (16-bit tables built in bulk)
   SpreadEvenOdd16Fn spread_even_odd_16;  // the core's even/odd table rows
+  StreamCopyFn stream_copy;              // outputs written once and read much later
 };
 
 // One per ISA, each defined in its own object library compiled with that ISA's flags. Feature bits
@@ -180,6 +186,7 @@ int avx512_compiled_plan(const detail::RotationData& rotation);
 void scalar_spread_even_odd_16(const void* row, DType dtype, std::int64_t period,
                                const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
                                float* out);
+void scalar_stream_copy(void* dst, const void* src, std::size_t n);
 void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);
 void avx2_cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,

@@ -467,22 +467,29 @@ TEST(RopeAndCacheKv, BadInputWritesNothing) {
                Error);
 }
 
-// detail::stream_copy: every byte at every destination alignment and length around the 16-byte
-// body, nothing outside [dst, dst + n) touched.
-TEST(StreamCopy, CopiesEveryByteAtAnyAlignmentAndLength) {
-  std::vector<unsigned char> src(300), dst(340);
+// Every ISA's stream_copy (through detail::stream_copy, which fences): every byte at every
+// destination phase of a 64-byte line and lengths around the plain head, the vector body and the
+// tail; nothing outside [dst, dst + n) touched.
+TEST(StreamCopy, EveryIsaCopiesEveryByteAtAnyAlignmentAndLength) {
+  std::vector<unsigned char> src(300), dst(400);
   for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<unsigned char>(i * 7 + 1);
-  for (std::size_t offset = 0; offset < 20; ++offset)
-    for (std::size_t n : {0, 1, 15, 16, 17, 31, 32, 47, 64, 255, 300}) {
-      std::fill(dst.begin(), dst.end(), 0xee);
-      detail::stream_copy(dst.data() + offset, src.data() + 3, std::min(n, src.size() - 3));
-      const std::size_t m = std::min(n, src.size() - 3);
-      for (std::size_t i = 0; i < dst.size(); ++i) {
-        const bool inside = i >= offset && i < offset + m;
-        ASSERT_EQ(dst[i], inside ? src[i - offset + 3] : 0xee)
-            << "offset " << offset << " n " << n << " byte " << i;
+  int isas = 0;
+  for (rome::Isa isa : isas_under_test()) {
+    ScopedIsa scoped(isa);
+    ++isas;
+    for (std::size_t offset = 0; offset < 72; ++offset)
+      for (std::size_t n :
+           {0, 1, 15, 16, 17, 31, 32, 47, 63, 64, 65, 127, 128, 129, 200, 255, 297}) {
+        std::fill(dst.begin(), dst.end(), 0xee);
+        detail::stream_copy(dst.data() + offset, src.data() + 3, n);
+        for (std::size_t i = 0; i < dst.size(); ++i) {
+          const bool inside = i >= offset && i < offset + n;
+          ASSERT_EQ(dst[i], inside ? src[i - offset + 3] : 0xee)
+              << isa_name(isa) << " offset " << offset << " n " << n << " byte " << i;
+        }
       }
-    }
+  }
+  EXPECT_GT(isas, 0);
 }
 
 }  // namespace

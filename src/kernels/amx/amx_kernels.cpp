@@ -64,7 +64,8 @@ const KernelTable& amx_kernels(bool avx512_bf16) {
                        avx512.cos_sin,
                        avx512.cos_sin_rows,
                        avx512.narrow_bf16,
-                       avx512.spread_even_odd_16};
+                       avx512.spread_even_odd_16,
+                       avx512.stream_copy};
   };
   static const KernelTable table = make(avx512_kernels(false), forward_dense<avx512::NarrowExact>);
   static const KernelTable table_bf16 =

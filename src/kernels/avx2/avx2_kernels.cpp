@@ -36,6 +36,7 @@
 
 #include "../../core/convert.hpp"
 #include "../common/permute-inl.hpp"
+#include "../common/stream_copy-inl.hpp"
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 #include "../kernel_support.hpp"
@@ -964,7 +965,8 @@ const KernelTable& avx2_kernels() {
                                  avx2_cos_sin,
                                  avx2_cos_sin_rows,
                                  narrow_bf16,
-                                 spread_even_odd_16};
+                                 spread_even_odd_16,
+                                 stream_copy_with<Avx2>};
   return table;
 }
 

@@ -78,7 +78,8 @@ const KernelTable& amx_emulated_kernels() {
                                  avx512_kernels(false).cos_sin,
                                  avx512_kernels(false).cos_sin_rows,
                                  avx512_kernels(false).narrow_bf16,
-                                 avx512_kernels(false).spread_even_odd_16};
+                                 avx512_kernels(false).spread_even_odd_16,
+                                 avx512_kernels(false).stream_copy};
   return table;
 }
 

@@ -23,6 +23,7 @@
 
 #include "../../core/convert.hpp"
 #include "../common/permute-inl.hpp"
+#include "../common/stream_copy-inl.hpp"
 #include "../dense_kernels.hpp"
 #include "../kernel_api.hpp"
 #include "../kernel_support.hpp"
@@ -620,7 +621,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                  avx512_cos_sin,
                                  avx512_cos_sin_rows,
                                  narrow_bf16,
-                                 scalar_spread_even_odd_16};
+                                 scalar_spread_even_odd_16,
+                                 stream_copy_with<Avx512>};
   static const KernelTable table_bf16{"avx512",
                                       forward_permute_any<true>,
                                       avx512_forward_dense,
@@ -631,7 +633,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                       avx512_cos_sin,
                                       avx512_cos_sin_rows,
                                       narrow_bf16,
-                                      scalar_spread_even_odd_16};
+                                      scalar_spread_even_odd_16,
+                                      stream_copy_with<Avx512>};
   static const KernelTable table_bf16_dot{"avx512",
                                           forward_permute_any<true>,
                                           avx512_bf16_forward_dense,
@@ -642,7 +645,8 @@ const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
                                           avx512_cos_sin,
                                           avx512_cos_sin_rows,
                                           narrow_bf16,
-                                          scalar_spread_even_odd_16};
+                                          scalar_spread_even_odd_16,
+                                          stream_copy_with<Avx512>};
   if (!avx512_bf16) return table;
   return bf16_dot ? table_bf16_dot : table_bf16;
 }

@@ -1,5 +1,6 @@
 // Portable kernels: the fallback on every CPU and the reference the SIMD kernels must match bit
 // for bit (the same operations in the same order: common/combine-inl.hpp).
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <vector>
@@ -229,6 +230,21 @@ void scalar_spread_even_odd_16(const void* row, DType dtype, std::int64_t period
   }
 }
 
+// SSE2, which every x86-64 CPU has (16-byte stores); elsewhere a plain copy.
+void scalar_stream_copy(void* dst, const void* src, std::size_t n) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const std::size_t head = std::min(n, std::size_t(-reinterpret_cast<std::uintptr_t>(d) & 15));
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  for (; n >= 16; n -= 16, d += 16, s += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+  std::memcpy(d, s, n);
+}
+
 const KernelTable& scalar_kernels() {
   static const KernelTable table{"scalar",
                                  forward_permute_any,
@@ -240,7 +256,8 @@ const KernelTable& scalar_kernels() {
                                  scalar_cos_sin,
                                  scalar_cos_sin_rows,
                                  narrow_bf16,
-                                 scalar_spread_even_odd_16};
+                                 scalar_spread_even_odd_16,
+                                 scalar_stream_copy};
   return table;
 }
 
