@@ -27,6 +27,7 @@
 #pragma once
 
 #include <cstdint>
+#include <type_traits>
 #include <vector>
 
 #include "../kernel_api.hpp"
@@ -155,6 +156,33 @@ ROME_INLINE void for_rows(const W& w, const ForwardTile& tile, Body body) {
     body(row, streaming_row<L>(w, row.y));
     pass_through<L>(w, row.x, row.y);
   }
+}
+
+// for_rows for rows of a width known at compile time (kBytes of x each, no pass-through lanes)
+// whose streaming is the same for every row: body(row, std::bool_constant<stream>) with the row
+// loops unrolled, the prefetches counted and streaming decided once per run, so that the
+// per-row bookkeeping stops costing about a fifth of a bf16 half row (rd 128: 200 -> 153
+// instructions a row, callgrind). False, running nothing, for a run that does not qualify.
+template <class L, std::int64_t kBytes, class W, class Body>
+ROME_INLINE bool for_fixed_rows(const W& w, const ForwardTile& tile, Body body) {
+  if (w.pass || w.rd * std::int64_t(sizeof(typename L::T)) != kBytes) return false;
+  const bool stream_all = w.stream && kBytes % 64 == 0 &&
+                          (reinterpret_cast<std::uintptr_t>(tile.y) & 63) == 0 &&
+                          (tile.count == 1 || tile.y_step % 64 == 0);
+  if (w.stream && !stream_all) return false;
+  const std::int64_t ahead = prefetch_distance(tile);
+  auto run = [&](auto stream) ROME_INLINE_LAMBDA {
+    for (std::int64_t n = 0; n < tile.count; ++n) {
+      const char* next = static_cast<const char*>(tile.x_row(n)) + ahead;
+      for (std::int64_t b = 0; b < kBytes; b += 64) W::I::prefetch(next + b);
+      body(tile_row<typename L::T>(tile, n), stream);
+    }
+  };
+  if (stream_all)
+    run(std::true_type{});
+  else
+    run(std::false_type{});
+  return true;
 }
 
 // The row x widened into the fp32 buffer X (whole vectors, then the last one by its lanes).
