@@ -168,3 +168,46 @@ def test_unknown_row_rejected(tmp_path, isa):
     proc = subprocess.run([sys.executable, "-m", "rome.bench", "--rows", "nope", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=120, env=_env())
     assert proc.returncode == 2 and "unknown rows" in proc.stderr
+
+
+@pytest.mark.one_isa
+def test_streaming_memmove_threshold(monkeypatch, isa):
+    """The floor's memmove: re-run under 3/4 of the sysfs L3 only where glibc's threshold is higher,
+    keeping the caller's other tunables; never twice."""
+    from rome.bench import glibc_streaming as g
+
+    monkeypatch.setattr(g, "sysfs_l3_bytes", lambda: 32 << 20)
+    monkeypatch.setattr(g, "current_threshold", lambda: 192 << 20)
+    assert g.wanted_threshold() == 24 << 20
+    monkeypatch.setattr(g, "current_threshold", lambda: 16 << 20)
+    assert g.wanted_threshold() is None
+    monkeypatch.setattr(g, "current_threshold", lambda: None)
+    assert g.wanted_threshold() is None
+
+    calls = []
+    monkeypatch.setattr(g.os, "execve", lambda exe, argv, env: calls.append((argv, env)))
+    monkeypatch.setattr(g, "current_threshold", lambda: 192 << 20)
+    monkeypatch.delenv("ROME_BENCH_GLIBC_TUNED", raising=False)
+    monkeypatch.setenv("GLIBC_TUNABLES", f"glibc.malloc.arena_max=2:{g.TUNABLE}=0x1")
+    g.reexec_with_streaming_memmove()
+    (argv, env), = calls
+    assert argv[1:3] == ["-m", "rome.bench"]
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{g.TUNABLE}={24 << 20:#x}"
+    assert env["ROME_BENCH_GLIBC_TUNED"] == str(24 << 20)
+    monkeypatch.setenv("ROME_BENCH_GLIBC_TUNED", str(24 << 20))
+    g.reexec_with_streaming_memmove()
+    assert len(calls) == 1
+    assert "24 MiB" in g.describe()
+
+
+@pytest.mark.one_isa
+def test_bench_memmove_streams(quick_run, isa):
+    """The quick run recorded memmove's threshold; where glibc's was above 3/4 of the L3 it ran
+    lowered."""
+    out, _ = quick_run
+    machine = json.loads((out / "bench.json").read_text())["machine"]
+    from rome.bench import glibc_streaming as g
+
+    assert "glibc memmove streams above" in machine["memmove"] or "unknown" in machine["memmove"]
+    if g.sysfs_l3_bytes() and g.current_threshold() and g.sysfs_l3_bytes() * 3 // 4 < g.current_threshold():
+        assert "3/4 of the sysfs L3" in machine["memmove"]

@@ -2,6 +2,10 @@
 
 import sys
 
-from .cli import main
+from .glibc_streaming import reexec_with_streaming_memmove
+
+reexec_with_streaming_memmove()
+
+from .cli import main  # noqa: E402
 
 sys.exit(main())

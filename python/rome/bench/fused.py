@@ -11,7 +11,7 @@ bf16; T = 1, 16, 512, 4096 tokens; fp32 cos_sin_cache [8192, 128]; paged cache o
 
 Floors: a copy of the bytes each pass must move at least once (norm + RoPE: q and k read and
 written; with the cache: also k and v written to the cache), the faster of torch's ``copy_`` and
-memmove. Timed round-robin in one process with torch.set_num_threads; decode sizes run 200 calls
+memmove (streaming above 3/4 of the L3 under ``python -m rome.bench``: glibc_streaming.py). Timed round-robin in one process with torch.set_num_threads; decode sizes run 200 calls
 per sample. Input allocation is outside the timings; the eager baselines allocate their
 temporaries (as they would in a model).
 """

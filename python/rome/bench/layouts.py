@@ -5,7 +5,9 @@ preallocated outputs, on 1 and on 2 threads set the way a PyTorch user sets them
 
 Every cell is timed in this process, round-robin with its floor: the faster of torch's copy_ and
 glibc's memmove (on as many Python threads, ctypes releases the GIL) of the same x bytes into a
-preallocated buffer. The floor leaves out the table reads (RoME reads them too), so ratios are
+preallocated buffer. ``python -m rome.bench`` runs with memmove streaming above 3/4 of the L3
+(glibc_streaming.py: without it, glibc on a VM that reports its host's L3 read every destination
+line of a copy up to 192 MB, and the floor was 1.5x what the memory allows). The floor leaves out the table reads (RoME reads them too), so ratios are
 slightly pessimistic for RoME. Out-of-place RoME writes into preallocated outputs
 (rome.ops.rope(out=...)); the "fresh" column is the allocating op in this process's default
 allocator, page faults included (what a plain `y = rope(x)` pays).
@@ -24,6 +26,7 @@ import torch
 
 import rome
 
+from . import glibc_streaming
 from .measure import round_robin_samples
 from .rows import axis_angles, lane_layout
 
@@ -278,7 +281,8 @@ def run(quick: bool = False, full: bool = False, threads_list=(1, 2), repeats: i
     finally:
         torch.set_num_threads(saved_threads)
     return {"tokens": tokens, "heads": heads, "k_heads": k_heads, "repeats": repeats, "cells": cells,
-            "vllm": vllm, "isa": rome.active_isa(), "wall_s": round(time.perf_counter() - start, 1)}
+            "vllm": vllm, "isa": rome.active_isa(), "memmove": glibc_streaming.describe(),
+            "wall_s": round(time.perf_counter() - start, 1)}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -296,7 +300,8 @@ def markdown(res: Dict) -> str:
         f"### RoME vs the copy floor by layout ({res['isa']}, {res['tokens']} tokens x {res['heads']} heads "
         f"x 128, bf16 x and fp32 tables unless named; packed adds {res['k_heads']} k heads)",
         "",
-        "Ratio to the copy of the same x bytes (faster of torch copy_ and memmove, same threads); "
+        f"Ratio to the copy of the same x bytes (faster of torch copy_ and memmove, same threads; "
+        f"{res.get('memmove', 'memmove threshold not recorded')}); "
         "threads set with torch.set_num_threads. *out* writes into preallocated outputs "
         "(rope(out=...)); *fresh* allocates its output on every call (page faults included).",
         "",

@@ -133,7 +133,8 @@ def machine_lines(results: Dict) -> List[str]:
         f"threads: {mc['threads']} (torch, RoME, ONNX Runtime, rome_timer); torch {mc['torch']}; "
         f"onnxruntime {mc['onnxruntime']}; python {mc['python']}",
         f"load average (1, 5, 15 min) at start: {', '.join(str(x) for x in mc['load_average_at_start'])}, "
-        f"at end: {', '.join(str(x) for x in results.get('load_average_at_end', []))}; malloc: {mc['malloc']}",
+        f"at end: {', '.join(str(x) for x in results.get('load_average_at_end', []))}; malloc: {mc['malloc']}; "
+        f"{mc.get('memmove', 'glibc threshold not recorded')}",
         f"repeats: {cfg['repeats']} per cell, columns timed round-robin (median after {cfg['warmup']} "
         f"warm-up calls; slow cells stop at {cfg['budget_s_per_cell']} s, >= 3 repeats), rome_timer "
         f"repeats: {cfg['cpp_repeats']}; "

@@ -10,7 +10,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from . import cpp, measure, methods, onnx_rt
+from . import cpp, glibc_streaming, measure, methods, onnx_rt
 from .rows import Row, make_inputs
 
 BASELINES = ["small", "axis_matrix", "matrix", "compile_small", "compile_matrix", "ort"]
@@ -105,6 +105,7 @@ def machine(cfg: Config, malloc_tuned: bool, timer: Optional[str]) -> Dict:
         "python": platform.python_version(),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "malloc": "freed memory kept (mallopt: no mmap, no trim)" if malloc_tuned else "system default",
+        "memmove": glibc_streaming.describe(),
         "rome_timer": timer or "not found (build it: make build)",
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }
