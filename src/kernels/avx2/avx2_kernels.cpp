@@ -316,30 +316,13 @@ ROME_INLINE void row_bf16_pairs(std::int64_t chunks, const Row<L>& row) {
   }
 }
 
-// Rows of rotary_dim 64, 128 or 256 (4, 8, 16 chunks), the common head widths, with the chunk
-// count a constant (permute::for_fixed_rows): body(chunks, row, stream). False where the run
-// does not qualify.
-template <typename L, class Body>
-ROME_INLINE bool fixed_bf16_rows(const Work& w, const ForwardTile& tile, Body body) {
-  auto with = [&](auto chunks) ROME_INLINE_LAMBDA {
-    return for_fixed_rows<L, 32 * decltype(chunks)::value>(
-        w, tile,
-        [&](const Row<L>& row, auto stream) ROME_INLINE_LAMBDA { body(chunks, row, stream); });
-  };
-  switch (w.rd) {
-    case 64: return with(std::integral_constant<std::int64_t, 4>{});
-    case 128: return with(std::integral_constant<std::int64_t, 8>{});
-    case 256: return with(std::integral_constant<std::int64_t, 16>{});
-    default: return false;
-  }
-}
-
 template <typename L>
 ROME_INLINE void rows_bf16_pairs(const Work& w, const ForwardTile& tile) {
-  if (fixed_bf16_rows<L>(w, tile,
-                         [](auto chunks, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
-                           row_bf16_pairs<L, decltype(stream)::value>(decltype(chunks)::value, row);
-                         }))
+  // The common widths with the chunk count a constant (permute::fixed_width_rows).
+  if (fixed_width_rows<L>(
+          w, tile, [](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+            row_bf16_pairs<L, decltype(stream)::value>(decltype(lanes)::value / 16, row);
+          }))
     return;
   const std::int64_t chunks = w.rd / 16;
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
@@ -370,11 +353,11 @@ ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
   // The half rotation (chunk c pairs with c + chunks / 2) at the common widths.
   if (2 * K == chunks &&
-      fixed_bf16_rows<L>(w, tile,
-                         [](auto chunks_c, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
-                           constexpr std::int64_t kChunks = decltype(chunks_c)::value;
-                           row_bf16_xor<L, decltype(stream)::value>(kChunks, kChunks / 2, row);
-                         }))
+      fixed_width_rows<L>(w, tile,
+                          [](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+                            constexpr std::int64_t kChunks = decltype(lanes)::value / 16;
+                            row_bf16_xor<L, decltype(stream)::value>(kChunks, kChunks / 2, row);
+                          }))
     return;
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (stream)

@@ -185,6 +185,24 @@ ROME_INLINE bool for_fixed_rows(const W& w, const ForwardTile& tile, Body body) 
   return true;
 }
 
+// for_fixed_rows at the common rotary widths (64, 128 or 256 lanes): body(lanes, row, stream)
+// with lanes an integral constant. False where the run does not qualify.
+template <class L, class W, class Body>
+ROME_INLINE bool fixed_width_rows(const W& w, const ForwardTile& tile, Body body) {
+  constexpr std::int64_t kEs = std::int64_t(sizeof(typename L::T));
+  auto with = [&](auto lanes) ROME_INLINE_LAMBDA {
+    return for_fixed_rows<L, decltype(lanes)::value * kEs>(
+        w, tile,
+        [&](const Row<L>& row, auto stream) ROME_INLINE_LAMBDA { body(lanes, row, stream); });
+  };
+  switch (w.rd) {
+    case 64: return with(std::integral_constant<std::int64_t, 64>{});
+    case 128: return with(std::integral_constant<std::int64_t, 128>{});
+    case 256: return with(std::integral_constant<std::int64_t, 256>{});
+    default: return false;
+  }
+}
+
 // The row x widened into the fp32 buffer X (whole vectors, then the last one by its lanes).
 template <class L, class W>
 ROME_INLINE void widen_row(const W& w, const typename L::T* x, float* X) {
@@ -202,6 +220,15 @@ template <class L, bool kPairs, class W>
 ROME_INLINE void rows_local(const W& w, const ForwardTile& tile) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
+  if constexpr (kPairs) {
+    auto fixed = [&](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+      for (std::int64_t v = 0; v < decltype(lanes)::value / kW; ++v) {
+        const auto xv = L::load(row.x + kW * v);
+        put<L>(w, stream, row.y, v, combine<L>(w, xv, I::swap_pairs(xv), row, v));
+      }
+    };
+    if (fixed_width_rows<L>(w, tile, fixed)) return;
+  }
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     for (std::int64_t v = 0; v < w.V; ++v) {
       const auto xv = L::load(row.x + kW * v, lanes_of(w, v));
@@ -217,8 +244,9 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
   const std::int64_t K = w.xor_k;
-  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
-    for (std::int64_t v0 = 0; v0 < w.V; v0 += 2 * K) {
+  auto row_of_vectors = [&](std::int64_t V, std::int64_t K, const Row<L>& row,
+                            auto stream) ROME_INLINE_LAMBDA {
+    for (std::int64_t v0 = 0; v0 < V; v0 += 2 * K) {
       for (std::int64_t v = v0; v < v0 + K; ++v) {
         const std::int64_t u = v + K;
         const auto a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
@@ -230,6 +258,17 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
         put<L>(w, stream, row.y, u, out_u);
       }
     }
+  };
+  // The half rotation (vector v pairs with v + V / 2) at the common widths.
+  if (2 * K == w.V &&
+      fixed_width_rows<L>(w, tile,
+                          [&](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+                            constexpr std::int64_t kV = decltype(lanes)::value / kW;
+                            row_of_vectors(kV, kV / 2, row, stream);
+                          }))
+    return;
+  for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
+    row_of_vectors(w.V, K, row, stream);
   });
 }
 
