@@ -574,6 +574,11 @@ ROME_INLINE void row_16bit_3d(const Row<L>& row) {
 
 template <int kLayoutIndex, typename L>
 ROME_INLINE void rows_16bit_3d(const Work& w, const ForwardTile& tile) {
+  // The compiled layouts are 128 lanes wide (permute::for_fixed_rows).
+  if (for_fixed_rows<L, 128 * 2>(w, tile, [](const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+        row_16bit_3d<kLayoutIndex, L, decltype(stream)::value>(row);
+      }))
+    return;
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (stream)
       row_16bit_3d<kLayoutIndex, L, true>(row);
@@ -633,6 +638,10 @@ ROME_INLINE void row_f32_3d(const Work& w, bool stream, const Row<L>& row) {
 
 template <int kLayoutIndex, typename L>
 ROME_INLINE void rows_f32_3d(const Work& w, const ForwardTile& tile) {
+  if (for_fixed_rows<L, 128 * 4>(w, tile, [&](const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+        row_f32_3d<kLayoutIndex, L>(w, stream, row);
+      }))
+    return;
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     row_f32_3d<kLayoutIndex, L>(w, stream, row);
   });
