@@ -351,14 +351,17 @@ ROME_INLINE void row_bf16_xor(std::int64_t chunks, std::int64_t K, const Row<L>&
 template <typename L>
 ROME_INLINE void rows_bf16_xor(const Work& w, const ForwardTile& tile) {
   const std::int64_t chunks = w.rd / 16, K = w.xor_k / 2;
-  // The half rotation (chunk c pairs with c + chunks / 2) at the common widths.
-  if (2 * K == chunks &&
-      fixed_width_rows<L>(w, tile,
-                          [](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
-                            constexpr std::int64_t kChunks = decltype(lanes)::value / 16;
-                            row_bf16_xor<L, decltype(stream)::value>(kChunks, kChunks / 2, row);
-                          }))
-    return;
+  // The half rotation (chunk c pairs with c + chunks / 2) and the quarter one (or two half
+  // blocks: c + chunks / 4) at the common widths, K a constant.
+  auto fixed = [&](auto parts) ROME_INLINE_LAMBDA {
+    return fixed_width_rows<L>(
+        w, tile, [](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+          constexpr std::int64_t kChunks = decltype(lanes)::value / 16;
+          row_bf16_xor<L, decltype(stream)::value>(kChunks, kChunks / decltype(parts)::value, row);
+        });
+  };
+  if (2 * K == chunks && fixed(std::integral_constant<std::int64_t, 2>{})) return;
+  if (4 * K == chunks && fixed(std::integral_constant<std::int64_t, 4>{})) return;
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     if (stream)
       row_bf16_xor<L, true>(chunks, K, row);

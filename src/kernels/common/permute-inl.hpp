@@ -259,14 +259,17 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
       }
     }
   };
-  // The half rotation (vector v pairs with v + V / 2) at the common widths.
-  if (2 * K == w.V &&
-      fixed_width_rows<L>(w, tile,
-                          [&](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
-                            constexpr std::int64_t kV = decltype(lanes)::value / kW;
-                            row_of_vectors(kV, kV / 2, row, stream);
-                          }))
-    return;
+  // The half rotation (vector v pairs with v + V / 2) and the quarter one (or two half blocks:
+  // v + V / 4) at the common widths, K a constant.
+  auto fixed = [&](auto parts) ROME_INLINE_LAMBDA {
+    return fixed_width_rows<L>(w, tile,
+                               [&](auto lanes, const Row<L>& row, auto stream) ROME_INLINE_LAMBDA {
+                                 constexpr std::int64_t kV = decltype(lanes)::value / kW;
+                                 row_of_vectors(kV, kV / decltype(parts)::value, row, stream);
+                               });
+  };
+  if (2 * K == w.V && fixed(std::integral_constant<std::int64_t, 2>{})) return;
+  if (4 * K == w.V && fixed(std::integral_constant<std::int64_t, 4>{})) return;
   for_rows<L>(w, tile, [&](const Row<L>& row, bool stream) ROME_INLINE_LAMBDA {
     row_of_vectors(w.V, K, row, stream);
   });
