@@ -244,11 +244,12 @@ ROME_INLINE void rows_xor_move(const W& w, const ForwardTile& tile) {
   using I = typename W::I;
   constexpr int kW = I::kLanes;
   const std::int64_t K = w.xor_k;
-  auto row_of_vectors = [&](std::int64_t V, std::int64_t K, const Row<L>& row,
+  // Vectors v and v + step of each 2·step, for v < V.
+  auto row_of_vectors = [&](std::int64_t V, std::int64_t step, const Row<L>& row,
                             auto stream) ROME_INLINE_LAMBDA {
-    for (std::int64_t v0 = 0; v0 < V; v0 += 2 * K) {
-      for (std::int64_t v = v0; v < v0 + K; ++v) {
-        const std::int64_t u = v + K;
+    for (std::int64_t v0 = 0; v0 < V; v0 += 2 * step) {
+      for (std::int64_t v = v0; v < v0 + step; ++v) {
+        const std::int64_t u = v + step;
         const auto a = L::load(row.x + kW * v), b = L::load(row.x + kW * u);
         const auto cv = I::load(row.C + kW * v), sv = I::load(row.S + kW * v);
         const auto cu = I::load(row.C + kW * u), su = I::load(row.S + kW * u);
