@@ -151,8 +151,9 @@ using SpreadEvenOdd16Fn = void (*)(const void* row, DType dtype, std::int64_t pe
                                    const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
                                    float* out);
 
-// n bytes from src to dst (disjoint): the 64-byte aligned lines of dst with non-temporal stores,
-// the ends plain. No fence: the caller orders the stores (an sfence) before publishing them.
+// n bytes from src to dst (disjoint): from dst's first 64-byte boundary on (16-byte in the scalar
+// kernels) whole vectors with non-temporal stores, the bytes before it and the last partial vector
+// plain. No fence: the caller orders the stores (an sfence) before publishing them.
 using StreamCopyFn = void (*)(void* dst, const void* src, std::size_t n);
 
 struct KernelTable {

@@ -342,9 +342,9 @@ TEST(QkNormRope, OtherPermutationsTakeTheLaneLoop) {
   }
 }
 
-// Also with a tiny reported L3, so that the cache rows take the non-temporal stores (their
-// 16-byte chunks; d = 6 has rows of 12 and 24 bytes, and a misaligned key cache has misaligned
-// rows, which are copied plainly).
+// Also with a tiny reported L3, so that the cache rows take the non-temporal stores
+// (KernelTable::stream_copy: a plain head up to an aligned address, streamed vectors, a plain
+// tail; d = 6 has rows of 12 and 24 bytes, and a misaligned key cache has misaligned rows).
 TEST(RopeAndCacheKv, WritesRotatedKeysAndValuesToTheirSlots) {
   std::mt19937_64 rng(8);
   for (bool streamed : {false, true})
@@ -361,8 +361,8 @@ TEST(RopeAndCacheKv, WritesRotatedKeysAndValuesToTheirSlots) {
             const Cache cache = make_cache(32, d, T, rng);
             Packed packed = make_packed(dtype, T, hq, hk, d, rng);
             const Packed original = packed;
-            // Streamed, the key cache starts one element past an aligned address: its rows take the
-            // plain copy (non-temporal stores need 16-byte aligned rows), the value cache's do not.
+            // Streamed, the key cache starts one element past an aligned address: its rows begin
+            // with a plain head before their streamed part; the value cache's rows are aligned.
             TestTensor kc =
                 TestTensor::make(dtype, {blocks, bs, hk, d}, Layout{{}, 0, -1, streamed ? 1 : 0});
             TestTensor vc = TestTensor::make(dtype, {blocks, bs, hk, d}, Layout{{0, 2, 1, 3}});

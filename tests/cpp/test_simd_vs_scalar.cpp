@@ -641,6 +641,15 @@ TEST(SimdVsScalar, StructuredPermutations) {
     rotations.emplace_back("half", Rotation::half(d));
     if (d % 4 == 0) rotations.emplace_back("quarter", Rotation::quarter(d));
     rotations.emplace_back("interleave", Rotation::interleave(d));
+    // Whole 16-lane groups swapped by index xor (d / 64 · 4) groups: for d = 192 a partner 48
+    // lanes away by xor, not by addition (group 1 pairs with 2, not 4); the half and quarter
+    // moves pair vector v with v + K and must not take it.
+    if (d % 64 == 0) {
+      const std::int64_t step = d / 4;
+      std::vector<float> b(d * d, 0.0f);
+      for (std::int64_t j = 0; j < d; ++j) b[(j ^ step) * d + j] = (j & step) ? 1.0f : -1.0f;
+      rotations.emplace_back("lanes xor " + std::to_string(step), Rotation::dense(b, d));
+    }
     // Output lane j reads lane 15 - j % 16 of a neighbouring group of 16 (or 8) lanes.
     for (int group : {16, 8}) {
       if (d % (2 * group) != 0) continue;

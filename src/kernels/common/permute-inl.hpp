@@ -359,6 +359,12 @@ Kind classify(const VectorPermutePlan& pb, const Work<P>& w, P& plan, typename P
     quarter &= s.src0 == (v ^ (w.V / 4));
   }
   if (local) return pairs ? Kind::pairs : Kind::local;
+  // The move kinds' rows pair vector v with v + K in each 2K (rows_xor_move) or with v ^ K
+  // (AVX-512's fixed rows): the same vector, and the source classified here, only for K a power
+  // of two (V = 24, K = 6: vector 2 takes 4, not 8). Other steps run as plain moves.
+  const auto power_of_two = [](std::int64_t k) { return k > 0 && (k & (k - 1)) == 0; };
+  half = half && power_of_two(w.V / 2);
+  quarter = quarter && power_of_two(w.V / 4);
   if (move && w.V % 4 == 0 && (half || quarter)) {
     plan.xor_k = int(half ? w.V / 2 : w.V / 4);
     return half ? Kind::half_move : Kind::quarter_move;
