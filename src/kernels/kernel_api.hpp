@@ -187,7 +187,6 @@ int avx512_compiled_plan(const detail::RotationData& rotation);
 void scalar_spread_even_odd_16(const void* row, DType dtype, std::int64_t period,
                                const std::uint32_t* signs, std::uint32_t flip, std::int64_t rd,
                                float* out);
-void scalar_stream_copy(void* dst, const void* src, std::size_t n);
 void scalar_cos_sin(std::int64_t n, const double* position, const double* frequency,
                     double amplitude, float* cos, float* sin);
 void avx2_cos_sin(std::int64_t n, const double* position, const double* frequency, double amplitude,

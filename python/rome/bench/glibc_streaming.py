@@ -60,10 +60,10 @@ def reexec_with_streaming_memmove() -> None:
     if os.environ.get("ROME_BENCH_GLIBC_TUNED") is not None:
         return
     wanted = wanted_threshold()
-    env = dict(os.environ, ROME_BENCH_GLIBC_TUNED=str(wanted or 0))
     if wanted is None:
         os.environ.update(ROME_BENCH_GLIBC_TUNED="0")
         return
+    env = dict(os.environ, ROME_BENCH_GLIBC_TUNED=str(wanted))
     tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t and not t.startswith(TUNABLE + "=")]
     env["GLIBC_TUNABLES"] = ":".join(tunables + [f"{TUNABLE}={wanted:#x}"])
     os.execve(sys.executable, [sys.executable, "-m", "rome.bench", *sys.argv[1:]], env)

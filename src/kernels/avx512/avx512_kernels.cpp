@@ -610,43 +610,29 @@ int avx512_compiled_plan(const detail::RotationData& rotation) {
 }
 
 const KernelTable& avx512_kernels(bool avx512_bf16, bool bf16_dot) {
-  // No AVX-512 kernel asks for even/odd table rows (only tests do): the scalar spread serves.
-  static const KernelTable table{"avx512",
-                                 forward_permute_any<false>,
-                                 avx512_forward_dense,
-                                 avx512_accumulate_product,
-                                 nullptr,
-                                 avx512_forward_norm_permute,
-                                 nullptr,
-                                 avx512_cos_sin,
-                                 avx512_cos_sin_rows,
-                                 narrow_bf16,
-                                 scalar_spread_even_odd_16,
-                                 stream_copy_with<Avx512>};
-  static const KernelTable table_bf16{"avx512",
-                                      forward_permute_any<true>,
-                                      avx512_forward_dense,
-                                      avx512_accumulate_product,
-                                      nullptr,
-                                      avx512_bf16_forward_norm_permute,
-                                      nullptr,
-                                      avx512_cos_sin,
-                                      avx512_cos_sin_rows,
-                                      narrow_bf16,
-                                      scalar_spread_even_odd_16,
-                                      stream_copy_with<Avx512>};
-  static const KernelTable table_bf16_dot{"avx512",
-                                          forward_permute_any<true>,
-                                          avx512_bf16_forward_dense,
-                                          avx512_accumulate_product,
-                                          nullptr,
-                                          avx512_bf16_forward_norm_permute,
-                                          nullptr,
-                                          avx512_cos_sin,
-                                          avx512_cos_sin_rows,
-                                          narrow_bf16,
-                                          scalar_spread_even_odd_16,
-                                          stream_copy_with<Avx512>};
+  // The tables differ in the bf16 narrowing of the permute and norm kernels (AVX512-BF16) and in
+  // the dense kernel (vdpbf16ps). No AVX-512 kernel asks for even/odd table rows (only tests
+  // do): the scalar spread serves.
+  auto make = [](ForwardFn permute, ForwardFn dense, NormForwardFn norm) {
+    return KernelTable{"avx512",
+                       permute,
+                       dense,
+                       avx512_accumulate_product,
+                       nullptr,
+                       norm,
+                       nullptr,
+                       avx512_cos_sin,
+                       avx512_cos_sin_rows,
+                       narrow_bf16,
+                       scalar_spread_even_odd_16,
+                       stream_copy_with<Avx512>};
+  };
+  static const KernelTable table =
+      make(forward_permute_any<false>, avx512_forward_dense, avx512_forward_norm_permute);
+  static const KernelTable table_bf16 =
+      make(forward_permute_any<true>, avx512_forward_dense, avx512_bf16_forward_norm_permute);
+  static const KernelTable table_bf16_dot =
+      make(forward_permute_any<true>, avx512_bf16_forward_dense, avx512_bf16_forward_norm_permute);
   if (!avx512_bf16) return table;
   return bf16_dot ? table_bf16_dot : table_bf16;
 }

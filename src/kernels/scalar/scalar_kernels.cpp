@@ -205,6 +205,21 @@ void narrow_bf16(std::int64_t n, const float* in, std::uint16_t* out) {
   for (; i < n; ++i) out[i] = detail::float_to_bf16(in[i]);
 }
 
+// SSE2, which every x86-64 CPU has (16-byte stores); elsewhere a plain copy.
+void scalar_stream_copy(void* dst, const void* src, std::size_t n) {
+  auto* d = static_cast<char*>(dst);
+  const auto* s = static_cast<const char*>(src);
+#if defined(__SSE2__)
+  const std::size_t head = std::min(n, std::size_t(-reinterpret_cast<std::uintptr_t>(d) & 15));
+  std::memcpy(d, s, head);
+  d += head, s += head, n -= head;
+  for (; n >= 16; n -= 16, d += 16, s += 16)
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d),
+                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
+#endif
+  std::memcpy(d, s, n);
+}
+
 }  // namespace
 
 // The lane loop: the definition the SIMD forms match bit for bit.
@@ -228,21 +243,6 @@ void scalar_spread_even_odd_16(const void* row, DType dtype, std::int64_t period
       dst[k + i] = (bits & 0x7fffffffu) > 0x7f800000u ? (bits | kQuietBit) & ~kLowBits : bits;
     }
   }
-}
-
-// SSE2, which every x86-64 CPU has (16-byte stores); elsewhere a plain copy.
-void scalar_stream_copy(void* dst, const void* src, std::size_t n) {
-  auto* d = static_cast<char*>(dst);
-  const auto* s = static_cast<const char*>(src);
-#if defined(__SSE2__)
-  const std::size_t head = std::min(n, std::size_t(-reinterpret_cast<std::uintptr_t>(d) & 15));
-  std::memcpy(d, s, head);
-  d += head, s += head, n -= head;
-  for (; n >= 16; n -= 16, d += 16, s += 16)
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d),
-                     _mm_loadu_si128(reinterpret_cast<const __m128i*>(s)));
-#endif
-  std::memcpy(d, s, n);
 }
 
 const KernelTable& scalar_kernels() {
