@@ -1,11 +1,11 @@
 // The forward executor. Work is cut into tiles: a run of consecutive tokens (outer indices along
 // the last outer axis) × every head of q and k. Each tile's table rows are expanded once (width,
-// positions gather, signs folded) into a buffer that stays in L1/L2 for all of its heads. Inside a
+// positions gather, signs folded) into a buffer that stays in L2 for all of its heads. Inside a
 // tile the rows go in the order that walks memory contiguously (Executor::head_major): BNSD-like
-// layouts one head at a time over the tile's tokens (a run of several KB), BSND and packed
-// [T, H·D] layouts one token at a time over its heads, a permute kernel taking all the tile's
-// tokens in one call. For permute kernels, tiles of fewer than kHeadMajorTokens tokens go token by
-// token whatever the layout.
+// layouts a few heads at a time over the tile's tokens (each head a run of several KB), BSND and
+// packed [T, H·D] layouts one token at a time over its heads, a permute kernel taking all the
+// tile's tokens in one call. For permute kernels, tiles of fewer than kHeadMajorTokens tokens go
+// token by token whatever the layout.
 #include <algorithm>
 #include <cstdlib>
 #include <mutex>
@@ -27,9 +27,16 @@ using detail::InnerAxes;
 using detail::OperandPlan;
 using kernels::ForwardTile;
 
-constexpr std::int64_t kMaxAutoTileTokens = 512;
+constexpr std::int64_t kMaxAutoTileTokens = 1024;
 // Tokens per tile below which a permute kernel walks a tile token by token, whatever the layout.
 constexpr std::int64_t kHeadMajorTokens = 32;
+// Heads a permute kernel takes token by token in a head-major tile: each token's table row is
+// read once for all of them, and they are this many streams through memory (twice that out of
+// place). One head per call re-read the table row (1 KiB at rotary dim 128) from L2 for every
+// 256-byte bf16 row; all 24 heads of the seed tensor were too many streams. Paired on an AVX-512
+// Zen 4, seed tensor, 1 thread: 4 heads took 0.56x the time of one in place and 0.70x out of
+// place; 2, 3, 6 and 8 heads were no better than 4 (BENCHMARKS.md, twenty-fifth session).
+constexpr std::int64_t kHeadsPerGroup = 4;
 
 // Grows on demand, 64-byte aligned, never shrinks: no allocation once warm.
 class TileBuffer {
@@ -92,15 +99,14 @@ struct Executor {
               std::int64_t row_end, const float* cos, const float* sin) const;
 };
 
-// Whether the operand's rows go to the kernel one head at a time over the tile's tokens, rather
-// than one token at a time over its heads: heads further apart than tokens (BNSD-like) go head by
-// head, so each head's rows are one contiguous run. Token by token a BNSD tile is as many
-// interleaved streams as it has heads (twice that out of place), 256 bytes at a time; head by
-// head every row reads its table row from L2 again, which costs less (paired, AVX2 Zen 3, bf16:
-// q [1,32,4096,128] + k [1,8,4096,128] out of place 0.68x the time on 1 thread and 0.72x on 2, the
-// seed tensor 0.95x in place; BENCHMARKS.md, twenty-first session). A permute kernel takes a
-// token-major tile in one call and a head-major one in one call per head: below
-// kHeadMajorTokens tokens the calls cost more than the order saves (T = 4: 1.3x).
+// Whether the operand's rows go to the kernel head by head over the tile's tokens (a permute
+// kernel: kHeadsPerGroup heads per call, token by token), rather than one token at a time over all
+// its heads: heads further apart than tokens (BNSD-like) go head-major, so each head's rows are one
+// contiguous run. Token by token over all heads a BNSD tile is as many interleaved streams as it
+// has heads (twice that out of place), 256 bytes at a time (paired, AVX2 Zen 3, bf16: q
+// [1,32,4096,128] + k [1,8,4096,128] out of place, one head per call took 0.68x the time of that
+// on 1 thread and 0.72x on 2; BENCHMARKS.md, twenty-first session). Below kHeadMajorTokens tokens
+// the extra calls cost more than the order saves (T = 4: 1.3x).
 bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
   if (tokens <= 1) return false;
   if (op.inner.count == 0) return true;  // one row per token
@@ -150,7 +156,27 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   tile.copy_passthrough = !op.in_place && p.rotation->head_dim > p.rotation->rotary_dim;
   tile.stream = large_output && !op.in_place;
   tile.table_nans_low_bits_zero = table_nans_low_bits_zero;
+  const int inner_last = op.inner.count - 1;
   if (head_major(op, tokens)) {
+    if (token_runs && inner_last >= 0) {
+      // kHeadsPerGroup heads per call, token by token: each token's table row serves all of them.
+      tile.x_step = op.inner.in_stride[inner_last] * es;
+      tile.y_step = op.inner.out_stride[inner_last] * es;
+      tile.tokens = tokens;
+      tile.x_token_step = token_in * es;
+      tile.y_token_step = token_out * es;
+      tile.table_token_step = table_stride;
+      detail::walk_runs(op.inner, row_begin, row_end,
+                        [&](std::int64_t in, std::int64_t out, std::int64_t length) {
+                          for (std::int64_t h = 0; h < length; h += kHeadsPerGroup) {
+                            tile.x = op.in_base + (in0 + in) * es + h * tile.x_step;
+                            tile.y = op.out_base + (out0 + out) * es + h * tile.y_step;
+                            tile.count = std::min(kHeadsPerGroup, length - h);
+                            kernel(*p.rotation, tile);
+                          }
+                        });
+      return;
+    }
     // One call per head: its rows over the tile's tokens, one table row each.
     tile.table_step = table_stride;
     tile.count = tokens;
@@ -165,7 +191,6 @@ void Executor::rotate(const OperandPlan& op, const std::int64_t* outer, std::int
   }
   // Each token's runs of heads on the token's table row: a permute kernel takes every token of
   // the range in one call, other kernels one token per call.
-  const int inner_last = op.inner.count - 1;
   tile.x_step = inner_last >= 0 ? op.inner.in_stride[inner_last] * es : 0;
   tile.y_step = inner_last >= 0 ? op.inner.out_stride[inner_last] * es : 0;
   tile.tokens = token_runs ? token_end - token_begin : 1;
@@ -262,10 +287,12 @@ void join_k_to_q(ForwardPlan& p) {
   p.has_k = false;
 }
 
-// Tokens per tile: the tile's table rows (cos and sin) take a quarter of L2, so they stay there
-// while every head streams past them.
+// Tokens per tile: the tile's table rows (cos and sin) fill L2. Head-major tiles read each row
+// once per group of heads, from L2 or L3; longer tiles are longer runs per head. Paired on an
+// AVX-512 Zen 4 (1 MiB L2, seed tensor): 1024 tokens took 0.88-1.0x the time of 256 (BNSD, 4 heads
+// per group) and 0.95-0.97x (BSND), on 1 and 2 threads.
 std::int64_t auto_tile_tokens(std::int64_t table_stride) {
-  const std::int64_t budget = detail::cache_sizes().l2 / 4;
+  const std::int64_t budget = detail::cache_sizes().l2;
   return std::clamp<std::int64_t>(budget / (2 * table_stride * std::int64_t(sizeof(float))), 1,
                                   kMaxAutoTileTokens);
 }

@@ -39,6 +39,8 @@ const std::vector<ExecutorCase>& cases() {
   static const std::vector<ExecutorCase> c = {
       {"bnsd_gqa", {2, 6, 37, 64}, {2, 2, 37, 64}, {}, {}, {37, 64}},
       {"bnsd_batch_tables", {2, 3, 33, 64}, {2, 1, 33, 64}, {}, {}, {2, 1, 33, 64}},
+      // Head-major tiles of two full groups of heads and one more (q), and a part group (k).
+      {"bnsd_nine_heads", {1, 9, 35, 64}, {1, 3, 35, 64}, {}, {}, {35, 64}},
       {"bnsd_one_token", {1, 8, 1, 64}, {1, 2, 1, 64}, {}, {}, {1, 64}},
       // BSND: [B, S, N, D] with tables [1, S, 1, D].
       {"bsnd_gqa", {2, 37, 6, 64}, {2, 37, 3, 64}, {}, {}, {1, 37, 1, 64}},
@@ -163,8 +165,11 @@ TEST(Executor, TilesThreadsAndHostPoolsAreBitIdentical) {
     int threads;
     bool host;
   };
-  const Setting all_settings[] = {{0, 1, false}, {1, 2, false}, {3, 3, true}, {16, 8, false},
-                                  {7, 8, true},  {0, 2, true},  {1, 1, true}};
+  // 33 and 40: head-major tiles (at least 32 tokens) whose rows are cut into parts for the
+  // threads, so groups of heads start inside a run of heads.
+  const Setting all_settings[] = {{0, 1, false},  {1, 2, false},  {3, 3, true},
+                                  {16, 8, false}, {7, 8, true},   {0, 2, true},
+                                  {1, 1, true},   {33, 2, false}, {40, 3, true}};
   // Under the sanitizers three: one-token and odd tiles, 1, 2 and 8 threads, both pools.
   const Setting sanitized_settings[] = {{1, 2, false}, {7, 8, true}, {0, 1, false}};
   const std::span<const Setting> settings = kSanitized
