@@ -47,6 +47,15 @@ class Scratch {
 // rows taken token by token is 384 rows ahead, evicted from L1 before they are read (3D 44/44/40
 // in place, 1 thread: 1.90-2.03x the copy, one token ahead 1.33-1.69x; measured when large BNSD
 // tiles went token by token, which only tiles under 32 tokens still do).
+// The permute kernels prefetch into L2 (prefetcht1): into L1 the prefetches hold L1's few miss
+// buffers. Where the hardware prefetchers lose the stream they did not help: on an AVX-512 Zen 4,
+// rows of 8 KiB with 2 KiB between them (packed qkv's q and k around v; any gap of 512 bytes or
+// more) read at half the contiguous speed, with prefetcht0 one token ahead just as slowly and
+// with prefetcht1 at 0.6x that time. Paired, packed qkv T 28800, q 24 + k 8 heads, 1 thread:
+// 0.58x the time in place and 0.71x out of place (0.66x / 0.72x for the AVX2 kernels on the same
+// CPU); BSND and BNSD 0.95-1.02x. The QK-norm rows keep prefetcht0: read twice (sum of squares,
+// then the rotation), they took 1.03-1.07x the time with prefetcht1 (BENCHMARKS.md,
+// twenty-fifth session).
 ROME_INLINE std::int64_t prefetch_distance(const ForwardTile& tile) {
   constexpr std::int64_t kBytes = 4096, kRows = 16;
   const std::int64_t step = tile.x_token_step;
