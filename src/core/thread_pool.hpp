@@ -35,29 +35,23 @@ void parallel_for(const ExecOptions& options, std::int64_t items, int threads, F
 }
 
 // Calls that move fewer bytes (reads + writes) stay on the calling thread: waking a second thread
-// and joining it costs more than it saves. The break-even moves with the kernel's time per byte.
-// AVX-512 (the AMX Xeon VM, torch's OpenMP pool, vLLM-shaped decode: q [T, 32·128] and k
-// [T, 8·128] bf16), 1 vs 2 threads: T = 4 7.0 vs 13.5-14.2 us, T = 16 (320 KiB) 16-17 vs 18-21
-// us, T = 24 (480 KiB) 2 threads ahead. AVX2 kernels take about twice as long per byte (no bf16
-// instructions): on a Zen 3 through torch's pool T = 16 took 13-15 us on 2 threads against 18-28
-// us on 1, T = 12 (240 KiB) 20-27 against 17-25 us (BENCHMARKS.md, twenty-first session).
-constexpr std::int64_t kMinParallelBytesAvx512 = 384 * 1024;
-constexpr std::int64_t kMinParallelBytesAvx2 = 256 * 1024;  // and the scalar kernels
+// and joining it costs more than it saves. vLLM-shaped decode (q [T, 32·128] and k [T, 8·128]
+// bf16) through torch's OpenMP pool, 1 vs 2 threads: on an AVX-512 Zen 4, T = 12 (240 KiB) 9.0 vs
+// 9.0 us, T = 16 (320 KiB) 11.1 vs 8.8 us (BENCHMARKS.md, twenty-fifth session); on a Zen 3 with
+// the AVX2 kernels T = 12 20-27 vs 17-25 us, T = 16 18-28 vs 13-15 us (twenty-first session). An
+// AMX Xeon VM woke threads more slowly (T = 16: 16-17 vs 18-21 us; an earlier session) and would
+// rather split from 384 KiB.
+constexpr std::int64_t kMinParallelBytes = 256 * 1024;
 // The backward pass does more work per byte (gradients of the tables and matrices too).
 constexpr std::int64_t kMinParallelBytesBackward = 256 * 1024;
 
-// The forward threshold of the active ISA.
-inline std::int64_t default_min_parallel_bytes() noexcept {
-  return active_isa() >= Isa::avx512 ? kMinParallelBytesAvx512 : kMinParallelBytesAvx2;
-}
-
 // The threads for a call moving `bytes`: `threads`, or 1 below the options' threshold (-1: the
-// caller's default, else the forward threshold of the active ISA).
+// caller's default, else kMinParallelBytes).
 inline int threads_for_bytes(const ExecOptions& options, std::int64_t bytes, int threads,
                              std::int64_t default_floor = -1) {
   const std::int64_t floor = options.min_parallel_bytes >= 0 ? options.min_parallel_bytes
                              : default_floor >= 0            ? default_floor
-                                                             : default_min_parallel_bytes();
+                                                             : kMinParallelBytes;
   return bytes < floor ? 1 : threads;
 }
 

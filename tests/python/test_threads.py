@@ -32,7 +32,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:`torch.jit.script:DeprecationWar
 
 # ------------------------------------------------------------------------------------------------
 # Workloads: shared read-only tables, per-instance inputs, one call each. Sizes are chosen so
-# that some calls go through RoME's pool (over 384 KiB moved, 256 KiB on AVX2 and backward) and some stay on the caller
+# that some calls go through RoME's pool (over 256 KiB moved) and some stay on the caller
 # (decode), with and without k, in and out of place, forward and backward.
 
 
