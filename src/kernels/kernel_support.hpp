@@ -53,9 +53,8 @@ class Scratch {
 // more) read at half the contiguous speed, with prefetcht0 one token ahead just as slowly and
 // with prefetcht1 at 0.6x that time. Paired, packed qkv T 28800, q 24 + k 8 heads, 1 thread:
 // 0.58x the time in place and 0.71x out of place (0.66x / 0.72x for the AVX2 kernels on the same
-// CPU); BSND and BNSD 0.95-1.02x. The QK-norm rows keep prefetcht0: read twice (sum of squares,
-// then the rotation), they took 1.03-1.07x the time with prefetcht1 (BENCHMARKS.md,
-// twenty-fifth session).
+// CPU); BSND and BNSD 0.95-1.02x. The QK-norm rows, read twice (sum of squares, then the
+// rotation), prefetch into L2 only where runs lie apart (norm_rope-inl.hpp: norm_rows).
 ROME_INLINE std::int64_t prefetch_distance(const ForwardTile& tile) {
   constexpr std::int64_t kBytes = 4096, kRows = 16;
   const std::int64_t step = tile.x_token_step;

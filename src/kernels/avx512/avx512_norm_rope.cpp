@@ -110,6 +110,7 @@ struct Avx512Norm {
                                  _mm256_set1_ps(eps)))));
   }
   static ROME_INLINE void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T0); }
+  static ROME_INLINE void prefetch_to_l2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
 };
 static_assert(kGroupRows<Avx512Norm> == 8, "inverse_rms takes 8 rows");
 

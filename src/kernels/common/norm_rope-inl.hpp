@@ -28,11 +28,11 @@
 // Traits I: F (kLanes fp32 lanes) with loadu, storeu, set1, add, sub, mul, fma, max, abs,
 // any_not_finite, reduce_max, swap_pairs (lane pairs), combine_unguarded and combine_one_fma
 // (as avx2_lanes.hpp / avx512_lanes.hpp); Count and lanes(n) (the first n lanes, n > 0),
-// load_floats(p, Count), prefetch(p); pass 1: kRowsPerVector, kAccumulators, load_rows<D>(rows, j,
-// n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <= 8),
-// split_rows_bf16(rows, j) (.even, .odd of one 16-lane chunk of each row), reduce_rows<A>(acc, ss)
-// (each row of A accumulators: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, rows, hd,
-// eps, scale) of the first `rows` of a group's kAccumulators·kRowsPerVector rows. Storage lanes
+// load_floats(p, Count), prefetch(p) and prefetch_to_l2(p); pass 1: kRowsPerVector, kAccumulators,
+// load_rows<D>(rows, j, n) (lanes [j, j + n) of kRowsPerVector rows, 8 lanes each, zeros past n <=
+// 8), split_rows_bf16(rows, j) (.even, .odd of one 16-lane chunk of each row), reduce_rows<A>(acc,
+// ss) (each row of A accumulators: ((s0+s4)+(s2+s6)) + ((s1+s5)+(s3+s7))), inverse_rms(ss, rows,
+// hd, eps, scale) of the first `rows` of a group's kAccumulators·kRowsPerVector rows. Storage lanes
 // L: T, load / store (whole or Count lanes). Order O (NaturalOrder's members): Chunk (kVectors
 // vectors, kLanes lanes), load / store of a chunk of the row in table order, swap_pairs (each
 // lane's interleave partner), the weights in table order; one whose tables are not natural
@@ -416,12 +416,17 @@ template <class I, DType D, class L, class O, NormKind K>
   float ss[kGroup] = {}, scales[kGroup];
   // Prefetches go to an address along the walk through memory (prefetch_distance), not a row
   // ahead in the tile (token-major calls hold one token's heads); rows over 1 KiB are long runs
-  // the prefetchers follow alone.
+  // the prefetchers follow alone. Into L1, except where a token's rows end before the next token's
+  // begin (q or k heads of a packed qkv): the hardware prefetchers lose such streams, and into L1
+  // the prefetches held its few miss buffers (kernel_support.hpp). Paired on an AVX-512 Zen 4,
+  // Qwen3 shapes, T 4096, 1 thread: prefetching into L2 took 0.84x the time on a packed qkv and
+  // 1.02-1.03x on contiguous q and k (BENCHMARKS.md, twenty-fifth session).
   const std::int64_t row_bytes = hd * std::int64_t(sizeof(Storage<D>));
   const std::int64_t prefetch_bytes = row_bytes <= 1024 ? row_bytes : 0;
   for (std::int64_t t = 0; t < run.tokens; ++t) {
     const ForwardTile tile = run.token(t);
     const std::int64_t ahead = prefetch_distance(tile);
+    const bool runs_apart = tile.x_token_step != tile.count * tile.x_step;
     // One table row for every row of the token (the fused executor's tiles): folded once here.
     const bool one_table_row = tile.table_step == 0;
     if (one_table_row) folded.update(r, tile.cos_row(0), tile.sin_row(0), norm.weight);
@@ -433,8 +438,10 @@ template <class I, DType D, class L, class O, NormKind K>
       auto row_pointers = [&](int i, std::int64_t prefetch) ROME_INLINE_LAMBDA {
         const std::int64_t n = n0 + i;
         const auto* x = static_cast<const Storage<D>*>(tile.x_row(n));
-        for (std::int64_t b = 0; b < prefetch; b += 64)
-          I::prefetch(reinterpret_cast<const char*>(x) + ahead + b);
+        for (std::int64_t b = 0; b < prefetch; b += 64) {
+          const char* line = reinterpret_cast<const char*>(x) + ahead + b;
+          runs_apart ? I::prefetch_to_l2(line) : I::prefetch(line);
+        }
         return std::pair{x, static_cast<Storage<D>*>(tile.y_row(n))};
       };
       auto vector_row = [&](int i) ROME_INLINE_LAMBDA {

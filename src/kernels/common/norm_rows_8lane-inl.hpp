@@ -70,6 +70,9 @@ struct OneRowPer8Lanes {
   static ROME_INLINE void prefetch(const char* p) {
     _mm_prefetch(p, _MM_HINT_T0);
   }
+  static ROME_INLINE void prefetch_to_l2(const char* p) {
+    _mm_prefetch(p, _MM_HINT_T1);
+  }
 };
 
 }  // namespace
