@@ -899,12 +899,15 @@ TableLayout table_layout(const RotationData& r, DType dtype) {
 
 template <DType D>
 void forward_permute(const RotationData& r, const ForwardTile& tile) {
+  auto token_rows = [&](Kind kind, const Work& w, const ForwardTile& run) ROME_INLINE_LAMBDA {
+    if constexpr (D == DType::bf16)
+      if (nan_results_low_bits_zero(run)) return dispatch_rows<RowLanes<D, true>>(kind, w, run);
+    dispatch_rows<RowLanes<D, false>>(kind, w, run);
+  };
   forward_tile<Plan>(r, tile, build_plan,
-                     [&](Kind kind, const Work& w, const ForwardTile& run) ROME_INLINE_LAMBDA {
-                       if constexpr (D == DType::bf16)
-                         if (nan_results_low_bits_zero(run))
-                           return dispatch_rows<RowLanes<D, true>>(kind, w, run);
-                       dispatch_rows<RowLanes<D, false>>(kind, w, run);
+                     [&](Kind kind, const Work& w, const ForwardTile& tokens) ROME_INLINE_LAMBDA {
+                       for (std::int64_t t = 0; t < tokens.tokens; ++t)
+                         token_rows(kind, w, tokens.token(t));
                      });
 }
 

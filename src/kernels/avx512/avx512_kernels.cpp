@@ -551,24 +551,31 @@ Plan build_plan(const RotationData& r, const Work& w, Scratch& storage) {
   return p;
 }
 
-// One token's rows, out of line: inlined into forward_tile's token loop with every kind and
-// rotary dim, the register-row loops spilled more (3D 44/44/40 BSND in place, 2 threads,
-// 5 rounds: 0.97-1.26x the copy inlined, 0.99-1.05x out of line). The Work is copied so that
-// its fields stay in registers (the row stores may alias a reference).
+template <typename L, int VC>
+ROME_INLINE void token_by_token(Kind kind, const Work& w, const ForwardTile& tokens) {
+  for (std::int64_t t = 0; t < tokens.tokens; ++t) dispatch_rows<L, VC>(kind, w, tokens.token(t));
+}
+
+// Every token's rows, out of line: inlined into forward_tile with every kind and rotary dim, the
+// register-row loops spilled more (3D 44/44/40 BSND in place, 2 threads, 5 rounds: 0.97-1.26x
+// the copy inlined, 0.99-1.05x out of line). The token loop is in here rather than a call per
+// token, which cost head-major tiles (4 rows per token) a fifth of their time (BENCHMARKS.md,
+// twenty-fifth session). The Work is copied so that its fields stay in registers (the row
+// stores may alias a reference).
 template <typename L>
-__attribute__((noinline)) void token_rows(Kind kind, const Work& work, const ForwardTile& run) {
+__attribute__((noinline)) void tile_rows(Kind kind, const Work& work, const ForwardTile& tokens) {
   const Work w = work;
   switch (w.rd) {
-    case 64: return dispatch_rows<L, 4>(kind, w, run);
-    case 128: return dispatch_rows<L, 8>(kind, w, run);
-    case 256: return dispatch_rows<L, 16>(kind, w, run);
-    default: return dispatch_rows<L, 0>(kind, w, run);
+    case 64: return token_by_token<L, 4>(kind, w, tokens);
+    case 128: return token_by_token<L, 8>(kind, w, tokens);
+    case 256: return token_by_token<L, 16>(kind, w, tokens);
+    default: return token_by_token<L, 0>(kind, w, tokens);
   }
 }
 
 template <DType D, typename N>
 ROME_INLINE void forward_impl(const RotationData& r, const ForwardTile& tile) {
-  forward_tile<Plan>(r, tile, build_plan, token_rows<Lanes<D, N>>);
+  forward_tile<Plan>(r, tile, build_plan, tile_rows<Lanes<D, N>>);
 }
 
 void forward_f32(const RotationData& r, const ForwardTile& b) {

@@ -443,10 +443,11 @@ ROME_INLINE const P& prepared_plan(const RotationData& r, const Work<P>& w, Buil
 }
 
 // One tile: sets up the Work (X: the row widened to fp32, or row copies an ISA's kinds keep,
-// with I::kPadVectors vectors of padding, on the stack when small), runs rows(kind, w, run) on
-// each token's run of rows and fences non-temporal stores, which are weakly ordered, before the
-// tile is reported done. The token loop stays outside the row loops: inside them it cost the
-// register-row kernels registers (3D 44/44/40 in place, 1 thread: 1.50 -> 2.0x the copy).
+// with I::kPadVectors vectors of padding, on the stack when small), runs rows(kind, w, tile),
+// which takes each token's run of rows in turn (tile.token(t)), and fences non-temporal stores,
+// which are weakly ordered, before the tile is reported done. The token loop stays outside the
+// row loops: inside them it cost the register-row kernels registers (3D 44/44/40 in place,
+// 1 thread: 1.50 -> 2.0x the copy).
 template <class P, class Build, class Rows>
 ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Build build,
                               Rows rows) {
@@ -466,7 +467,7 @@ ROME_INLINE void forward_tile(const RotationData& r, const ForwardTile& tile, Bu
   // A copy whose address no out-of-line call sees: the row loops' stores cannot alias it, so its
   // fields stay in registers (w went to build; a row dispatch kept out of line copies it again).
   const Work<P> work = w;
-  for (std::int64_t t = 0; t < tile.tokens; ++t) rows(work.kind, work, tile.token(t));
+  rows(work.kind, work, tile);
   if (work.stream) I::fence();
 }
 
