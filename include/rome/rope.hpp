@@ -71,9 +71,9 @@ struct ExecOptions {
   // k; its table rows are prepared once). 0: sized from the CPU's L2 cache.
   std::int64_t tile_tokens = 0;
   // Calls that move fewer bytes (reads + writes) run on the calling thread: waking a worker costs
-  // more than it saves (a decode step). -1: RoME's thresholds (384 KiB on AVX-512 and AMX, 256
-  // KiB on AVX2 and scalar, 256 KiB for rope_backward; measured, README); 0: every call with work
-  // for several threads splits it (tests run the threaded paths on small tensors).
+  // more than it saves (a decode step). -1: RoME's threshold (256 KiB, for every ISA and for
+  // rope_backward; measured, README); 0: every call with work for several threads splits it
+  // (tests run the threaded paths on small tensors).
   std::int64_t min_parallel_bytes = -1;
 };
 

@@ -1,6 +1,6 @@
 // The forward executor. Work is cut into tiles: a run of consecutive tokens (outer indices along
 // the last outer axis) × every head of q and k. Each tile's table rows are expanded once (width,
-// positions gather, signs folded) into a buffer that stays in L2 for all of its heads. Inside a
+// positions gather, signs folded) into a buffer read from L2 or L3 by all of its heads. Inside a
 // tile the rows go in the order that walks memory contiguously (Executor::head_major): BNSD-like
 // layouts a few heads at a time over the tile's tokens (each head a run of several KB), BSND and
 // packed [T, H·D] layouts one token at a time over its heads, a permute kernel taking all the
@@ -106,7 +106,8 @@ struct Executor {
 // has heads (twice that out of place), 256 bytes at a time (paired, AVX2 Zen 3, bf16: q
 // [1,32,4096,128] + k [1,8,4096,128] out of place, one head per call took 0.68x the time of that
 // on 1 thread and 0.72x on 2; BENCHMARKS.md, twenty-first session). Below kHeadMajorTokens tokens
-// the extra calls cost more than the order saves (T = 4: 1.3x).
+// the extra calls cost more than the order saves (T = 4, one head per call: 1.3x; not measured
+// again with four).
 bool Executor::head_major(const OperandPlan& op, std::int64_t tokens) const {
   if (tokens <= 1) return false;
   if (op.inner.count == 0) return true;  // one row per token

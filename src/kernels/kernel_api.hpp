@@ -26,7 +26,8 @@ struct ForwardTile {
   std::int64_t count;
   // Permute and QK-norm kernels take a run of tokens per call: `tokens` runs of `count` rows, run t
   // at x + t·x_token_step (y and the table rows likewise). One call instead of one per token keeps
-  // the kernel's per-call setup off token-major tiles. Dense kernels are handed one token
+  // the kernel's per-call setup off token-major tiles and off the groups of heads of head-major
+  // ones (rope_forward.cpp: kHeadsPerGroup). Dense kernels are handed one token
   // (detail::ForwardKernel::token_runs says which). A token-major call of one token still sets
   // x_token_step: the kernel prefetches the next tokens' rows by it (0: along the rows).
   std::int64_t tokens = 1;

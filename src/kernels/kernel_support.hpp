@@ -43,10 +43,10 @@ class Scratch {
 // without gaps, 4 KiB further along the rows (one core stalled on x's loads with only the
 // hardware prefetchers; AVX-512 permute kernel, seed tensor in place, 1 thread: 32.2 -> 27.7 ms;
 // BENCHMARKS.md). Else the same head of the token about 16 rows later: 4 KiB further along a
-// packed qkv token lands on its v heads, which nobody reads, and 4 KiB (16 tokens) along BNSD
-// rows taken token by token is 384 rows ahead, evicted from L1 before they are read (3D 44/44/40
-// in place, 1 thread: 1.90-2.03x the copy, one token ahead 1.33-1.69x; measured when large BNSD
-// tiles went token by token, which only tiles under 32 tokens still do).
+// packed qkv token lands on its v heads, which nobody reads, and when BNSD tiles went token by
+// token over all their heads, 4 KiB (16 tokens) along each head was 384 rows ahead, evicted from
+// L1 before they were read (3D 44/44/40 in place, 1 thread: 1.90-2.03x the copy, one token ahead
+// 1.33-1.69x). Head-major tiles of 4 heads per call ask 4 tokens ahead along each head.
 // The permute kernels prefetch into L2 (prefetcht1): into L1 the prefetches hold L1's few miss
 // buffers. Where the hardware prefetchers lose the stream they did not help: on an AVX-512 Zen 4,
 // rows of 8 KiB with 2 KiB between them (packed qkv's q and k around v; any gap of 512 bytes or

@@ -32,9 +32,9 @@ struct ExecutorCase {
 };
 
 // q and k [B, N, S, D] unless the name says otherwise; D = 64. Permute kernels walk BNSD tiles of
-// at least 32 tokens head by head (the default tiles of bnsd_gqa, bnsd_batch_tables and
-// bnsd_tokens_reversed on one thread) and smaller tiles token by token (the forced ones, and the
-// default tiles of several threads, cut to 5-10 tokens).
+// at least 32 tokens head-major, four heads per call (the default tiles of the bnsd cases on one
+// thread, and the 33- and 40-token tiles), and smaller tiles token by token over all heads (the
+// other forced ones, and the default tiles of several threads, cut to 5-10 tokens).
 const std::vector<ExecutorCase>& cases() {
   static const std::vector<ExecutorCase> c = {
       {"bnsd_gqa", {2, 6, 37, 64}, {2, 2, 37, 64}, {}, {}, {37, 64}},
@@ -55,8 +55,8 @@ const std::vector<ExecutorCase>& cases() {
        {45, 1}},
       // Tables that vary per head too: every row has its own table row.
       {"bnsd_tables_per_head", {1, 3, 21, 64}, {}, {}, {}, {1, 3, 21, 64}},
-      // Tokens laid out backwards: negative token steps (token by token) and negative row steps
-      // (head by head).
+      // Tokens laid out backwards: negative token steps, token by token over all heads (small
+      // tiles) and over groups of heads (head-major tiles).
       {"bnsd_tokens_reversed",
        {1, 6, 41, 64},
        {1, 2, 41, 64},
