@@ -102,8 +102,8 @@ struct Avx512 {
   static ROME_INLINE F permute_plan(const GeneralPlan& p, std::int64_t v, const float* X) {
     return permute_vector(p.steps + p.begin[v], p.steps + p.begin[v + 1], X);
   }
-  // Into L2 only (kernel_support.hpp: prefetch_distance).
-  static ROME_INLINE void prefetch(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
+  // kernel_support.hpp: prefetch_distance.
+  static ROME_INLINE void prefetch_to_l2(const char* p) { _mm_prefetch(p, _MM_HINT_T1); }
   static ROME_INLINE void copy_bytes(void* dst, const void* src, std::int64_t bytes, bool stream) {
     avx512::copy_bytes(dst, src, bytes, stream);
   }

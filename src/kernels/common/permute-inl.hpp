@@ -21,7 +21,7 @@
 // lanes(n) (the first n) and bits(Count); Index / Mask (a vector's permute index and the lanes
 // it fills) with index(const int32_t*) and mask(uint32_t); load / store (aligned fp32);
 // combine, combine_one_fma, epilogue_pair<kOneFma> (rows_xor_move only); swap_pairs, permute(x,
-// Index, Mask); GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch,
+// Index, Mask); GeneralPlan, general_plan(work, a) and permute_plan(plan, v, X); prefetch_to_l2,
 // copy_bytes, fence, equal_bytes. Storage-type lanes L: T, load / store (whole or Count lanes),
 // stream.
 #pragma once
@@ -106,7 +106,7 @@ ROME_INLINE Row<L> row_of(const W& w, const ForwardTile& tile, std::int64_t n, s
   const std::int64_t bytes = w.hd * std::int64_t(sizeof(typename L::T));
   if (bytes <= 1024) {
     const char* next = static_cast<const char*>(tile.x_row(n)) + ahead;
-    for (std::int64_t b = 0; b < bytes; b += 64) W::I::prefetch(next + b);
+    for (std::int64_t b = 0; b < bytes; b += 64) W::I::prefetch_to_l2(next + b);
   }
   return tile_row<typename L::T>(tile, n);
 }
@@ -174,7 +174,7 @@ ROME_INLINE bool for_fixed_rows(const W& w, const ForwardTile& tile, Body body) 
   auto run = [&](auto stream) ROME_INLINE_LAMBDA {
     for (std::int64_t n = 0; n < tile.count; ++n) {
       const char* next = static_cast<const char*>(tile.x_row(n)) + ahead;
-      for (std::int64_t b = 0; b < kBytes; b += 64) W::I::prefetch(next + b);
+      for (std::int64_t b = 0; b < kBytes; b += 64) W::I::prefetch_to_l2(next + b);
       body(tile_row<typename L::T>(tile, n), stream);
     }
   };
