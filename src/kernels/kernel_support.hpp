@@ -39,6 +39,12 @@ class Scratch {
   std::size_t size_ = 0;
 };
 
+// Whether the tile's token runs follow each other in memory without gaps (a step of 0: one run
+// walked along its rows). The same for every token of a tile.
+ROME_INLINE bool token_runs_adjoin(const ForwardTile& tile) {
+  return tile.x_token_step == 0 || tile.x_token_step == tile.count * tile.x_step;
+}
+
 // How far ahead of a row its x bytes are asked for. Where a tile's tokens follow each other
 // without gaps, 4 KiB further along the rows (one core stalled on x's loads with only the
 // hardware prefetchers; AVX-512 permute kernel, seed tensor in place, 1 thread: 32.2 -> 27.7 ms;
@@ -54,11 +60,12 @@ class Scratch {
 // with prefetcht1 at 0.6x that time. Paired, packed qkv T 28800, q 24 + k 8 heads, 1 thread:
 // 0.58x the time in place and 0.71x out of place (0.66x / 0.72x for the AVX2 kernels on the same
 // CPU); BSND and BNSD 0.95-1.02x. The QK-norm rows, read twice (sum of squares, then the
-// rotation), prefetch into L2 only where runs lie apart (norm_rope-inl.hpp: norm_rows).
+// rotation), prefetch into L2 only where runs lie apart (norm_rope-inl.hpp: norm_rows). The
+// distance is the same for every token of a tile.
 ROME_INLINE std::int64_t prefetch_distance(const ForwardTile& tile) {
   constexpr std::int64_t kBytes = 4096, kRows = 16;
   const std::int64_t step = tile.x_token_step;
-  if (step == 0 || step == tile.count * tile.x_step) return tile.x_step < 0 ? -kBytes : kBytes;
+  if (token_runs_adjoin(tile)) return tile.x_step < 0 ? -kBytes : kBytes;
   const std::int64_t count = tile.count > 1 ? tile.count : 1;
   return step * ((kRows + count - 1) / count);
 }

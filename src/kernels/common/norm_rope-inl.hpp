@@ -423,10 +423,10 @@ template <class I, DType D, class L, class O, NormKind K>
   // 1.02-1.03x on contiguous q and k (BENCHMARKS.md, twenty-fifth session).
   const std::int64_t row_bytes = hd * std::int64_t(sizeof(Storage<D>));
   const std::int64_t prefetch_bytes = row_bytes <= 1024 ? row_bytes : 0;
+  const std::int64_t ahead = prefetch_distance(run);
+  const bool runs_apart = !token_runs_adjoin(run);
   for (std::int64_t t = 0; t < run.tokens; ++t) {
     const ForwardTile tile = run.token(t);
-    const std::int64_t ahead = prefetch_distance(tile);
-    const bool runs_apart = tile.x_token_step != tile.count * tile.x_step;
     // One table row for every row of the token (the fused executor's tiles): folded once here.
     const bool one_table_row = tile.table_step == 0;
     if (one_table_row) folded.update(r, tile.cos_row(0), tile.sin_row(0), norm.weight);
