@@ -224,7 +224,7 @@ def vllm_cases(quick: bool) -> List[Tuple[str, int, torch.dtype]]:
 
 
 def measure_vllm(name: str, tokens: int, cache_dtype: torch.dtype, threads: int, repeats: int,
-                 memmove: Optional[Memmove] = None) -> Dict:
+                 memmove: Memmove) -> Dict:
     """vLLM's rotary_embedding (in place, NeoX, q [T, 32·128] + k [T, 8·128] bf16, cache
     [8192, 128]) and the copy of the same q and k: the faster of torch's copy_ and memmove."""
     torch.set_num_threads(threads)
@@ -246,12 +246,11 @@ def measure_vllm(name: str, tokens: int, cache_dtype: torch.dtype, threads: int,
 
     decode = tokens <= 16
     inner = 200 if decode else 1
-    fns = {"rome": lambda: [rome_call() for _ in range(inner)], "copy": lambda: [copy() for _ in range(inner)]}
-    if memmove is not None:
-        mm = memmove.copier((q.numel() + k.numel()) * q.element_size(), threads)
-        fns["memmove"] = lambda: [mm() for _ in range(inner)]
+    mm = memmove.copier((q.numel() + k.numel()) * q.element_size(), threads)
+    fns = {"rome": lambda: [rome_call() for _ in range(inner)], "copy": lambda: [copy() for _ in range(inner)],
+           "memmove": lambda: [mm() for _ in range(inner)]}
     t = _median_round_robin(fns, repeats if not decode else max(repeats, 15), warmup=2)
-    copy_s = min(t["copy"], t.get("memmove", t["copy"]))
+    copy_s = min(t["copy"], t["memmove"])
     return {"case": name, "threads": threads, "rome_s": t["rome"] / inner, "copy_s": copy_s / inner,
             "decode": decode}
 
