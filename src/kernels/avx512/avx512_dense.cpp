@@ -76,138 +76,250 @@ void product_rows(std::int64_t k, std::int64_t n, const float* a, std::int64_t l
 // inputs read as zero and subnormal sums flushed: held to the dot-product error bound
 // (tests/cpp/test_dense_bf16_dot.cpp), not to the scalar kernel's bits.
 //
-// Shape as in dense-inl.hpp: R rows of x staged as bf16 pairs (each block from a pair boundary,
-// an odd block padded with a zero lane), each column panel multiplied into an R × 2-vector
-// register tile, the fp32 products into scratch rows, the same epilogue with one rounding.
+// Shape: R rows of x staged as bf16 pairs (each block from a pair boundary, an odd block padded
+// with a zero lane; a row's y may be its x), then per column panel of B (and of A, in the same
+// pass over the pairs: each broadcast pair feeds both) an R × 2-vector register tile whose
+// epilogue (⊙cos, ⊙sin, the sum, one rounding) runs on the accumulators and stores the panel's
+// lanes of y, a row at a time inside the next tile's products (PendingEpilogue): x read once, y
+// written once, no fp32 scratch rows. A 12 × 2 tile alone issues a vdpbf16ps every 0.28 ns on an
+// AVX-512 Zen 4 (~230 GFLOP/s); the epilogue and the staging cost the whole call about 15% more
+// (BENCHMARKS.md, twenty-sixth session).
 
-// acc += a · b pair by pair. Inline assembly: the library is not built with -mavx512bf16, and
-// this runs only from avx512_kernels(true, true), which the core picks on CPUs with AVX512-BF16
-// whose vdpbf16ps is as fast as an fma (AMD; on an Intel Xeon it is a quarter as fast).
-ROME_INLINE __m512 dot_bf16_pairs(__m512 acc, __m512i a, __m512i b) {
-  __asm__("vdpbf16ps %2, %1, %0" : "+v"(acc) : "v"(a), "v"(b));  // AT&T: src2, src1, srcdest
+// acc += a · b pair by pair, with the x pair read from memory and broadcast inside the instruction
+// ({1to16}): one instruction instead of a broadcast and a product. Inline assembly: the library is
+// not built with -mavx512bf16, and this runs only from avx512_kernels(true, true), which the core
+// picks on CPUs with AVX512-BF16 whose vdpbf16ps is as fast as an fma (AMD; on an Intel Xeon it is
+// a quarter as fast).
+ROME_INLINE __m512 dot_bf16_pairs(__m512 acc, __m512i b, const std::uint32_t* x_pair) {
+  __asm__("vdpbf16ps %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(b), "m"(*x_pair));  // AT&T order
   return acc;
 }
 
-// out[r][0, C·16) = x[r] · panel for R rows: `pairs` words of each x row (rows `stride` words
-// apart, out rows `out_stride` floats apart), C = 1 for a block's last panel of <= 16 columns.
-template <int R, int C>
-ROME_INLINE void pair_panel_product(const std::uint32_t* x, std::int64_t stride,
-                                    const std::uint32_t* panel, std::int64_t pairs, float* out,
-                                    std::int64_t out_stride) {
-  constexpr int W = detail::PairPanelMatrix::kWidth;
-  __m512 acc[R][C];
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < C; ++v) acc[r][v] = _mm512_setzero_ps();
-  for (std::int64_t p = 0; p < pairs; ++p) {
-    __m512i b[C];
-    for (int v = 0; v < C; ++v) b[v] = _mm512_load_si512(panel + p * W + v * kW);
-#pragma GCC unroll 16
-    for (int r = 0; r < R; ++r) {
-      const __m512i xp = _mm512_set1_epi32(int(x[r * stride + p]));
-      for (int v = 0; v < C; ++v) acc[r][v] = dot_bf16_pairs(acc[r][v], xp, b[v]);
-    }
+// Rows of the tile per register tile: 12 × 2 vectors of x·B (24 accumulators + 2 panel vectors of
+// the 32 registers), or 6 × 2 of x·A and 6 × 2 of x·B (4 panel vectors) when A is dense.
+template <bool kDenseA>
+constexpr int kDotRows = kDenseA ? 6 : 12;
+
+// One column panel of one diagonal block: lanes [column, column + width) of y, the block's columns
+// of the panel (width <= 32; one vector per row when width <= 16).
+struct DotPanel {
+  const std::uint32_t* b;  // the panel of B (pairs × 32 words)
+  const std::uint32_t* a;  // the panel of A when dense
+  const std::uint32_t* x;  // the block's first pair of the first staged row
+  std::int64_t pairs, column, width;
+};
+
+// x, y and table rows of a group of R rows.
+template <int R>
+struct RowPointers {
+  const std::uint16_t* x[R];
+  std::uint16_t* y[R];
+  const float* cos[R];
+  const float* sin[R];
+
+  RowPointers<R> at_lane(std::int64_t lane) const {
+    RowPointers<R> p;
+    for (int r = 0; r < R; ++r)
+      p.x[r] = x[r] + lane, p.y[r] = y[r] + lane, p.cos[r] = cos[r] + lane,
+      p.sin[r] = sin[r] + lane;
+    return p;
   }
-#pragma GCC unroll 16
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < C; ++v) _mm512_storeu_ps(out + r * out_stride + v * kW, acc[r][v]);
+};
+
+// A register tile whose products are done and whose epilogue (⊙cos, ⊙sin, the sum, one rounding,
+// the store) is still to run: the next tile's products run it a row at a time between their
+// steps, so its loads, conversions and stores issue beside the dot products instead of after them
+// (run after each tile's products, the epilogue took 0.22x the products' time on an AVX-512 Zen 4).
+template <bool kDenseA>
+struct PendingEpilogue {
+  alignas(64) __m512 b[kDotRows<kDenseA>][2];                // x·B
+  alignas(64) __m512 a[kDenseA ? kDotRows<kDenseA> : 1][2];  // x·A when dense
+  RowPointers<kDotRows<kDenseA>> row;  // of the tile's rows, at the panel's first lane
+  std::int64_t width = 0;
+  int rows = 0;  // 0: nothing pending
+};
+
+// Row r of a pending tile into y. In place, a panel's lanes of x are read before the same lanes of
+// y are written; no other panel writes them. bf16 x: one fma (kernel_api.hpp: single_fma_epilogue).
+template <bool kDenseA>
+ROME_INLINE void epilogue_row(const PendingEpilogue<kDenseA>& t, int r) {
+  using Bf16 = avx512::Lanes<DType::bf16, NarrowBf16Insn>;
+  const std::uint16_t* x = t.row.x[r];
+  std::uint16_t* y = t.row.y[r];
+  const float *c = t.row.cos[r], *s = t.row.sin[r];
+  if (__builtin_expect(t.width == 2 * kW, 1)) {
+    // A whole panel: unmasked loads the arithmetic folds in, and both vectors narrowed by one
+    // vcvtne2ps2bf16 where neither has a subnormal lane (the instruction would flush it).
+    __m512 out[2];
+#pragma GCC unroll 2
+    for (int v = 0; v < 2; ++v) {
+      const __m512 xa = kDenseA ? t.a[r][v] : Bf16::load(x + v * kW);
+      out[v] =
+          combine_one_fma(xa, _mm512_loadu_ps(c + v * kW), t.b[r][v], _mm512_loadu_ps(s + v * kW));
+    }
+    const __mmask16 subnormal =
+        _kor_mask16(_mm512_fpclass_ps_mask(out[0], 0x20), _mm512_fpclass_ps_mask(out[1], 0x20));
+    if (__builtin_expect(_kortestz_mask16_u8(subnormal, subnormal), 1)) {
+      _mm512_storeu_si512(y, Bf16::narrow_pair(out[0], out[1]));
+    } else {
+      Bf16::store(y, out[0]);
+      Bf16::store(y + kW, out[1]);
+    }
+    return;
+  }
+  for (int v = 0; v * kW < t.width; ++v) {
+    const __mmask16 m = first_lanes(t.width - v * kW);
+    const __m512 xa = kDenseA ? t.a[r][v] : Bf16::load(x + v * kW, m);
+    const __m512 out = combine_one_fma(xa, _mm512_maskz_loadu_ps(m, c + v * kW), t.b[r][v],
+                                       _mm512_maskz_loadu_ps(m, s + v * kW));
+    Bf16::store(y + v * kW, out, m);
+  }
 }
 
-// out = x · m over every diagonal block for R rows, blocks in ascending order (a panel's zero
-// columns spill into the next block's first lanes, which that block then overwrites).
-template <int R>
-void pair_block_products(int rows, const detail::PairPanelMatrix& m,
-                         const std::vector<RotationData::Block>& blocks, const std::uint32_t* x,
-                         std::int64_t stride, float* out, std::int64_t out_stride,
-                         dense_common::RowPrefetch& prefetch) {
+template <bool kDenseA>
+void finish_epilogue(PendingEpilogue<kDenseA>& pending, int from = 0) {
+  for (int r = from; r < pending.rows; ++r) epilogue_row(pending, r);
+  pending.rows = 0;
+}
+
+// The R staged rows · the panel (and · A's), over the panel's pairs, running the pending tile's
+// epilogue a row every four pairs; then this tile becomes the pending one. Out of line: inlined
+// into the caller's loops, GCC 12 spilled accumulators to the stack on every step (the asm
+// operands); alone it keeps all of them in registers.
+template <int R, int C, bool kDenseA>
+__attribute__((noinline)) void dot_products(const DotPanel& panel, std::int64_t x_stride,
+                                            const RowPointers<kDotRows<kDenseA>>& rows,
+                                            PendingEpilogue<kDenseA>& pending) {
+  constexpr int W = detail::PairPanelMatrix::kWidth;
+  __m512 acc_b[R][C], acc_a[R][C];
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < C; ++v) {
+      acc_b[r][v] = _mm512_setzero_ps();
+      if constexpr (kDenseA) acc_a[r][v] = _mm512_setzero_ps();
+    }
+  int pending_row = 0;
+  const std::uint32_t* x = panel.x;
+  for (std::int64_t p = 0; p < panel.pairs; ++p, ++x) {
+    __m512i b[C], a[C];
+#pragma GCC unroll 2
+    for (int v = 0; v < C; ++v) {
+      b[v] = _mm512_load_si512(panel.b + p * W + v * kW);
+      if constexpr (kDenseA) a[v] = _mm512_load_si512(panel.a + p * W + v * kW);
+    }
+#pragma GCC unroll 16
+    for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+      for (int v = 0; v < C; ++v) {
+        acc_b[r][v] = dot_bf16_pairs(acc_b[r][v], b[v], x + r * x_stride);
+        if constexpr (kDenseA) acc_a[r][v] = dot_bf16_pairs(acc_a[r][v], a[v], x + r * x_stride);
+      }
+    if ((p & 3) == 3 && pending_row < pending.rows) epilogue_row(pending, pending_row++);
+  }
+  finish_epilogue(pending, pending_row);
+#pragma GCC unroll 16
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 2
+    for (int v = 0; v < C; ++v) {
+      pending.b[r][v] = acc_b[r][v];
+      if constexpr (kDenseA) pending.a[r][v] = acc_a[r][v];
+    }
+  pending.row = rows.at_lane(panel.column);
+  pending.width = panel.width;
+  pending.rows = R;
+}
+
+// Every panel of every diagonal block for the R rows at `first`.
+template <int R, bool kDenseA>
+void dot_rows(int rows, const detail::PairPanelPacks& packs,
+              const std::vector<RotationData::Block>& blocks, const std::uint32_t* x,
+              std::int64_t x_stride, const RowPointers<kDotRows<kDenseA>>& row_pointers,
+              dense_common::RowPrefetch& prefetch, PendingEpilogue<kDenseA>& pending) {
   if constexpr (R > 1) {
     if (rows < R)
-      return pair_block_products<R - 1>(rows, m, blocks, x, stride, out, out_stride, prefetch);
+      return dot_rows<R - 1, kDenseA>(rows, packs, blocks, x, x_stride, row_pointers, prefetch,
+                                      pending);
   }
   constexpr int W = detail::PairPanelMatrix::kWidth;
   std::int64_t pair_first = 0;
   for (std::size_t bi = 0; bi < blocks.size(); ++bi) {
     const std::int64_t o = blocks[bi].offset, n = blocks[bi].size, pairs = (n + 1) / 2;
-    const std::uint32_t* panel = m.data() + m.block_first[bi];
-    for (std::int64_t c = 0; c < n; c += W, panel += pairs * W) {
+    DotPanel panel{packs.b.data() + packs.b.block_first[bi],
+                   kDenseA ? packs.a.data() + packs.a.block_first[bi] : nullptr,
+                   x + pair_first,
+                   pairs,
+                   o,
+                   0};
+    for (std::int64_t c = 0; c < n; c += W, panel.column += W) {
       prefetch.step();
-      if (n - c > kW)
-        pair_panel_product<R, 2>(x + pair_first, stride, panel, pairs, out + o + c, out_stride);
+      panel.width = std::min<std::int64_t>(W, n - c);
+      if (panel.width > kW)
+        dot_products<R, 2, kDenseA>(panel, x_stride, row_pointers, pending);
       else
-        pair_panel_product<R, 1>(x + pair_first, stride, panel, pairs, out + o + c, out_stride);
+        dot_products<R, 1, kDenseA>(panel, x_stride, row_pointers, pending);
+      panel.b += pairs * W;
+      if constexpr (kDenseA) panel.a += pairs * W;
     }
     pair_first += pairs;
   }
 }
 
+template <bool kDenseA>
 void forward_dense_bf16_dot(const RotationData& r, const ForwardTile& tile) {
-  using Bf16 = CountedLanes<DType::bf16>;
-  constexpr int R = Avx512Vectors::kDenseRows, W = detail::PairPanelMatrix::kWidth;
+  constexpr int R = kDotRows<kDenseA>, W = detail::PairPanelMatrix::kWidth;
   const detail::PairPanelPacks& packs = r.pair_panel_packs();
-  const bool dense_a = !r.a_identity;
   const std::int64_t rd = r.rotary_dim, hd = r.head_dim;
   std::int64_t pairs = 0, panels = 0;
   for (const auto& block : r.dense_blocks) {
     pairs += (block.size + 1) / 2;
     panels += (block.size + W - 1) / W;
   }
-  // Row strides of the staged pairs (words) and of the product rows (floats).
-  const std::int64_t x_stride = (pairs + kW - 1) / kW * kW;
-  const std::int64_t out_stride = (std::max(packs.b.padded_columns, rd) + W - 1) / W * W;
+  const std::int64_t x_stride = (pairs + kW - 1) / kW * kW;  // words per staged row
   thread_local Scratch scratch;
-  char* base =
-      static_cast<char*>(scratch.get(sizeof(float) * std::size_t(R * (2 * out_stride + x_stride))));
-  float* XB = reinterpret_cast<float*>(base);
-  float* XA = XB + R * out_stride;
-  auto* XP = reinterpret_cast<std::uint32_t*>(XA + R * out_stride);
-  // Lanes past rotary_dim the products may not write but the epilogue's last vector reads:
-  // defined, discarded.
-  for (int row = 0; row < R; ++row)
-    for (std::int64_t j = rd; j < out_stride; ++j)
-      XB[row * out_stride + j] = XA[row * out_stride + j] = 0.0f;
+  auto* staged_rows =
+      static_cast<std::uint32_t*>(scratch.get(sizeof(std::uint32_t) * R * x_stride));
+  PendingEpilogue<kDenseA> pending;
   const bool pass = tile.copy_passthrough && hd > rd;
   const std::int64_t row_bytes = rd * std::int64_t(sizeof(std::uint16_t));
-  const std::int64_t steps = panels * (dense_a ? 2 : 1);
+  // Every block even: a staged row is the row's first rotary_dim lanes.
+  const bool even_blocks =
+      std::all_of(r.dense_blocks.begin(), r.dense_blocks.end(),
+                  [](const RotationData::Block& b) { return b.size % 2 == 0; });
   for (std::int64_t first = 0; first < tile.count; first += R) {
     const int rows = int(std::min<std::int64_t>(R, tile.count - first));
-    // Stage the rows as pairs before any write: a row's y may be its x.
+    RowPointers<R> row_pointers;
+    for (int row = 0; row < R; ++row) {
+      const std::int64_t n = first + std::min(row, rows - 1);  // rows past the tile: never read
+      row_pointers.x[row] = static_cast<const std::uint16_t*>(tile.x_row(n));
+      row_pointers.y[row] = static_cast<std::uint16_t*>(tile.y_row(n));
+      row_pointers.cos[row] = tile.cos_row(n);
+      row_pointers.sin[row] = tile.sin_row(n);
+    }
+    // Stage the rows as pairs before any of their lanes of y is written: a row's y may be its x.
+    // (The pending epilogue writes earlier rows only.)
     for (int row = 0; row < rows; ++row) {
-      const auto* x = static_cast<const std::uint16_t*>(tile.x_row(first + row));
-      auto* staged = reinterpret_cast<std::uint16_t*>(XP + row * x_stride);
+      const std::uint16_t* x = row_pointers.x[row];
+      if (even_blocks) {
+        avx512::copy_bytes(staged_rows + row * x_stride, x, row_bytes, false);
+        continue;
+      }
+      auto* staged = reinterpret_cast<std::uint16_t*>(staged_rows + row * x_stride);
       for (const auto& block : r.dense_blocks) {
         std::memcpy(staged, x + block.offset, std::size_t(block.size) * sizeof(std::uint16_t));
         if (block.size % 2) staged[block.size] = 0;
         staged += block.size + block.size % 2;
       }
     }
-    auto prefetch = dense_common::RowPrefetch::next_group(tile, first, R, row_bytes, steps);
-    pair_block_products<R>(rows, packs.b, r.dense_blocks, XP, x_stride, XB, out_stride, prefetch);
-    if (dense_a)
-      pair_block_products<R>(rows, packs.a, r.dense_blocks, XP, x_stride, XA, out_stride, prefetch);
-    for (int row = 0; row < rows; ++row) {
-      const auto* x = static_cast<const std::uint16_t*>(tile.x_row(first + row));
-      auto* y = static_cast<std::uint16_t*>(tile.y_row(first + row));
-      const float* xb = XB + row * out_stride;
-      const float* xa = XA + row * out_stride;
-      const float* c = tile.cos_row(first + row);
-      const float* s = tile.sin_row(first + row);
-      // In place, each vector of x is read before the same lanes of y are written.
-      for (std::int64_t j = 0; j < rd; j += kW) {
-        const int n = int(std::min<std::int64_t>(kW, rd - j));
-        const __m512 xa_j = dense_a   ? _mm512_loadu_ps(xa + j)
-                            : n == kW ? Bf16::load(x + j)
-                                      : Bf16::load(x + j, n);
-        // bf16 x: one fma (kernel_api.hpp: single_fma_epilogue).
-        const __m512 v = combine_one_fma(xa_j, _mm512_loadu_ps(c + j), _mm512_loadu_ps(xb + j),
-                                         _mm512_loadu_ps(s + j));
-        if (n == kW)
-          Bf16::store(y + j, v);
-        else
-          Bf16::store(y + j, v, n);
-      }
-      if (pass) std::memcpy(y + rd, x + rd, std::size_t(hd - rd) * sizeof(std::uint16_t));
-    }
+    auto prefetch = dense_common::RowPrefetch::next_group(tile, first, R, row_bytes, panels);
+    dot_rows<R, kDenseA>(rows, packs, r.dense_blocks, staged_rows, x_stride, row_pointers, prefetch,
+                         pending);
+    if (pass)
+      for (int row = 0; row < rows; ++row)
+        std::memcpy(row_pointers.y[row] + rd, row_pointers.x[row] + rd,
+                    std::size_t(hd - rd) * sizeof(std::uint16_t));
   }
+  finish_epilogue(pending);
 }
 
 }  // namespace
@@ -232,7 +344,8 @@ void avx512_forward_dense(const RotationData& r, const ForwardTile& tile) {
 
 void avx512_bf16_forward_dense(const RotationData& r, const ForwardTile& tile) {
   if (tile.dtype == DType::bf16 && r.pair_panel_packs().bf16_exact)
-    return forward_dense_bf16_dot(r, tile);
+    return r.a_identity ? forward_dense_bf16_dot<false>(r, tile)
+                        : forward_dense_bf16_dot<true>(r, tile);
   avx512_forward_dense(r, tile);
 }
 
