@@ -190,7 +190,6 @@ PairPanelMatrix pack_pair_panels(const std::vector<float>& m, std::int64_t dim,
     packed.block_first.push_back(words);
     const std::int64_t panels = (block.size + w - 1) / w;
     words += panels * ((block.size + 1) / 2) * w;
-    packed.padded_columns = std::max(packed.padded_columns, block.offset + panels * w);
   }
   packed.storage.assign(std::size_t(words) + 16, 0u);
   std::uint32_t* data = packed.data();

@@ -99,7 +99,6 @@ struct PanelPacks {
 struct PairPanelMatrix {
   static constexpr int kWidth = 32;
   std::vector<std::int64_t> block_first;
-  std::int64_t padded_columns = 0;     // the last panel's end: kernels' scratch rows need this many
   std::vector<std::uint32_t> storage;  // the panels plus 16 words of slack for the alignment
 
   const std::uint32_t* data() const { return first_aligned_64(storage); }

@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <random>
@@ -79,20 +80,36 @@ const std::vector<DotCase>& dot_cases() {
        [] {
          return Rotation::dense(bf16_matrix(40, 5, {18, 22}), 40);
        }},
-      // Odd blocks: each is padded with a zero lane to whole pairs.
+      // Odd blocks: each is padded with a zero lane to whole pairs; with A = I the epilogue reads
+      // x at the blocks' own offsets, not the staged ones.
+      {"blocks_19_21",
+       [] {
+         return Rotation::dense(bf16_matrix(40, 10, {19, 21}), 40);
+       }},
       {"blocks_19_21_two_matrices",
        [] {
          return Rotation::dense(bf16_matrix(40, 6, {19, 21}), bf16_matrix(40, 7, {19, 21}), 40);
        }},
+      // Dense A: panels of 12 and 8 columns take one vector per row.
+      {"blocks_44_44_40_two_matrices",
+       [] {
+         return Rotation::dense(bf16_matrix(128, 11, {44, 44, 40}),
+                                bf16_matrix(128, 12, {44, 44, 40}), 128);
+       }},
       {"one_block_of_2", [] { return Rotation::dense(bf16_matrix(2, 8), 2); }},
       {"partial_dense_50_of_64",
        [] { return Rotation::dense(bf16_matrix(50, 9), 50).partial(64); }},
+      {"partial_two_matrices_50_of_64",
+       [] { return Rotation::dense(bf16_matrix(50, 13), bf16_matrix(50, 14), 50).partial(64); }},
   };
   return cases;
 }
 
-// x's leading shape [batch, heads, seq] for 1, 7, 33 and 126 rows.
-const std::vector<std::int64_t> kRowShapes[] = {{1, 1, 1}, {1, 7, 1}, {1, 3, 11}, {2, 3, 21}};
+// x's leading shape [batch, heads, seq] for 1, 7, 33, 126 and 96 rows. The executor hands the
+// kernel one head's tokens per call (BNSD) or one token's heads (BSND): 1 to 21 rows, and 48
+// (four whole groups of 12 rows, eight of 6) for the last shape's BNSD layouts.
+const std::vector<std::int64_t> kRowShapes[] = {
+    {1, 1, 1}, {1, 7, 1}, {1, 3, 11}, {2, 3, 21}, {1, 2, 48}};
 
 const Layout kLayouts[] = {
     Layout{},              // contiguous
@@ -131,7 +148,7 @@ TEST_P(Bf16Dot, MatchesReferenceWithinFmaBound) {
 
 // Parameters: case, row shape, layout, in place.
 std::string dot_test_name(const ::testing::TestParamInfo<std::tuple<int, int, int, bool>>& info) {
-  static const char* const kRows[] = {"1", "7", "33", "126"};
+  static const char* const kRows[] = {"1", "7", "33", "126", "96"};
   static const char* const kLayoutNames[] = {"contiguous", "bsnd", "padded_reversed"};
   return dot_cases()[std::get<0>(info.param)].name + "_rows_" + kRows[std::get<1>(info.param)] +
          "_" + kLayoutNames[std::get<2>(info.param)] + (std::get<3>(info.param) ? "_in_place" : "");
@@ -139,9 +156,40 @@ std::string dot_test_name(const ::testing::TestParamInfo<std::tuple<int, int, in
 
 INSTANTIATE_TEST_SUITE_P(Dense, Bf16Dot,
                          ::testing::Combine(::testing::Range(0, int(dot_cases().size())),
-                                            ::testing::Range(0, 4), ::testing::Range(0, 3),
+                                            ::testing::Range(0, 5), ::testing::Range(0, 3),
                                             ::testing::Bool()),
                          dot_test_name);
+
+// Outputs that are fp32 subnormals: vcvtne2ps2bf16 would flush them to zero, so whole panels with
+// one take the exact narrowing. x ~ 2^-100 times tables of 2^-30 puts every output near 2^-130,
+// below fp32's smallest normal, where bf16 still has 7 bits of subnormal spacing 2^-133: a
+// flushed output would be 8 or more bf16 ulps off.
+TEST(Bf16Dot, SubnormalOutputsAreRoundedNotFlushed) {
+  const std::string unavailable = dot_path_unavailable();
+  if (!unavailable.empty()) GTEST_SKIP() << unavailable;
+  const Rotation rotation = Rotation::dense(bf16_matrix(128, 31, {}, 0.5f), 128);
+  ASSERT_TRUE(rotation.data().pair_panel_packs().bf16_exact);
+  std::mt19937_64 rng(32);
+  std::uniform_real_distribution<double> u(1.0, 2.0);
+  TestTensor x = TestTensor::make(DType::bf16, {1, 2, 24, 128});
+  x.fill([&](const auto&) { return (rng() % 2 ? 1 : -1) * u(rng) * 0x1p-100; });
+  TestTables tables;
+  tables.cos = TestTensor::make(DType::f32, {24, 128});
+  tables.sin = TestTensor::make(DType::f32, {24, 128});
+  tables.cos.fill([](const auto&) { return 0x1p-30; });
+  tables.sin.fill([](const auto&) { return 0x1p-30; });
+  const Reference ref = reference(rotation, tables, x);
+  std::int64_t subnormal = 0;
+  for (const double y : ref.y) subnormal += y != 0 && std::abs(y) < 0x1p-126;
+  ASSERT_GT(subnormal, x.numel() / 2) << "the case must produce fp32 subnormal outputs";
+  ScopedKernels dot_path(dot_path_kernels());
+  for (const bool in_place : {false, true}) {
+    TestTensor out = in_place ? x : TestTensor::make(DType::bf16, x.shape);
+    rope_forward(rotation, tables.view(), Operand{in_place ? out.cview() : x.cview(), out.view()});
+    const Comparison c = compare(out, ref.y, ref.bound);
+    EXPECT_TRUE(c.ok) << (in_place ? "in place: " : "out of place: ") << c.first_failure;
+  }
+}
 
 // One entry not exact in bf16 sends the whole matrix to the FMA path, the scalar kernel's bits.
 // Output lane 7 is that entry alone times x[5] (sin 1, cos 0): were the entry rounded to bf16

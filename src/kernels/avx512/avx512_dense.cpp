@@ -78,12 +78,12 @@ void product_rows(std::int64_t k, std::int64_t n, const float* a, std::int64_t l
 //
 // Shape: R rows of x staged as bf16 pairs (each block from a pair boundary, an odd block padded
 // with a zero lane; a row's y may be its x), then per column panel of B (and of A, in the same
-// pass over the pairs: each broadcast pair feeds both) an R × 2-vector register tile whose
-// epilogue (⊙cos, ⊙sin, the sum, one rounding) runs on the accumulators and stores the panel's
-// lanes of y, a row at a time inside the next tile's products (PendingEpilogue): x read once, y
-// written once, no fp32 scratch rows. A 12 × 2 tile alone issues a vdpbf16ps every 0.28 ns on an
-// AVX-512 Zen 4 (~230 GFLOP/s); the epilogue and the staging cost the whole call about 15% more
-// (BENCHMARKS.md, twenty-sixth session).
+// loop over the pairs) an R × 2-vector register tile whose epilogue (⊙cos, ⊙sin, the sum, one
+// rounding) runs on the accumulators and stores the panel's lanes of y, a row at a time inside
+// the next tile's products (PendingEpilogue): no fp32 scratch rows, y written once. A 12 × 2
+// tile alone issues a vdpbf16ps every 0.28 ns on an AVX-512 Zen 4 (~230 GFLOP/s); in the whole
+// call the epilogue added about 9% and the staging, tables and executor about 8% (BENCHMARKS.md,
+// twenty-sixth session).
 
 // acc += a · b pair by pair, with the x pair read from memory and broadcast inside the instruction
 // ({1to16}): one instruction instead of a broadcast and a product. Inline assembly: the library is
