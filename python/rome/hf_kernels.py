@@ -24,6 +24,11 @@ does, up to RoME's rounding (see :mod:`rome.hf`).
 The hooked function is one object per modeling module: kernelizing one model switches every model
 of that architecture in the process (:func:`unkernelize` switches them back).
 
+The hook reaches ``apply_rotary_pos_emb`` only. No rotary embedding module (the classes that
+build cos/sin from ``inv_freq``) carries a hub-kernel decorator in transformers 5.24 (the hooked
+layers are ``rotary_pos_emb``, RMSNorm variants and a few MoE, attention and other layers), so
+the exact table-free cos/sin builder cannot go this way: :func:`rome.hf.patch_model` installs it.
+
 transformers only activates the hook with a ``kernels`` version it accepts (5.23 and 5.24 want
 ``0.18.2 <= kernels < 0.19``); with another, its decorators are no-ops and there is nothing to
 kernelize: :func:`kernelize` warns then, and :func:`rome.hf.patch_model` is the way.

@@ -151,17 +151,34 @@ def test_strided_views_and_fp32_inv_freq(isa):
     close(k, want_k, torch.float32)
 
 
-def test_mrope_column_axis(isa):
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_mrope_column_axis(isa, layout, dtype):
+    """MRoPE sections (t, h, w positions per token, up to 10^7) on q and GQA k, partial rotary,
+    in place and out of place, against fp64."""
     sections = [8, 12, 12]
+    rd, D = 64, 80
     column_axis = rome.tables.mrope_frequency_axis(sections)
-    x = torch.randn(10, 4, 64)
-    pos = torch.randint(0, 5 * 10**6, (10, 1, 3))
-    inv = llama_inv_freq(64)
-    y, _ = rome.ops.rope_from_positions(x, None, pos, inv, column_axis=column_axis)
-    per_lane = torch.tensor([column_axis[f] for f in lane_frequency("half", 64)])
-    angle = pos[:, :, per_lane].double() * inv[lane_frequency("half", 64)]
-    xa, xb = rotate_b(x.double(), "half")
-    close(y, xa * torch.cos(angle) + xb * torch.sin(angle), torch.float32)
+    q, k, p, pq, pk = make(layout, dtype, D)
+    # Three position axes per token from the layout's one: the last axis picks t, h or w.
+    p3 = torch.stack([p, p // 3 + 5, (p * 7 + 11) % 10**7], -1)
+    inv = llama_inv_freq(rd)
+    per_lane = torch.tensor([column_axis[f] for f in lane_frequency("half", rd)])
+
+    def want(x, pb):
+        pb3 = torch.stack([pb, pb // 3 + 5, (pb * 7 + 11) % 10**7], -1)
+        angle = pb3[..., per_lane].double() * inv[lane_frequency("half", rd)]
+        xd = x.double()
+        xa, xb = rotate_b(xd[..., :rd], "half")
+        return torch.cat([xa * torch.cos(angle) + xb * torch.sin(angle), xd[..., rd:]], -1)
+
+    args = dict(rotary_dim=rd, column_axis=column_axis)
+    yq, yk = rome.ops.rope_from_positions(q, k, p3, inv, **args)
+    close(yq, want(q, pq), dtype)
+    close(yk, want(k, pk), dtype)
+    q2, k2 = q.clone(), k.clone()
+    rome.ops.rope_from_positions_(q2, k2, p3, inv, **args)
+    assert torch.equal(q2, yq) and torch.equal(k2, yk)
 
 
 @pytest.mark.parametrize("layout", ["half", "pairs"])
@@ -288,7 +305,9 @@ def _rank_main(rank, world, port, result_path):
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.manual_seed(0)
-        S, shard = 64, 32
+        # A shard of 2.5 MiB moved: well past the 256 KiB from which RoME takes a second thread,
+        # so the thread check below can fail (the control run shows it would).
+        S, shard = 1024, 512
         q = torch.randn(1, 8, S, 128).to(torch.bfloat16)
         k = torch.randn(1, 2, S, 128).to(torch.bfloat16)
         positions = torch.arange(S) + 10**7  # one long sequence, split along S
@@ -296,20 +315,25 @@ def _rank_main(rank, world, port, result_path):
         lo = rank * shard
         q_shard = q[:, :, lo:lo + shard].contiguous()
         k_shard = k[:, :, lo:lo + shard].contiguous()
+        torch.set_num_threads(2)  # control: the same call given two threads takes both
+        rome.ops.rope_from_positions(q_shard, k_shard, positions[lo:lo + shard], inv)
+        control = rome.last_call_threads()
+        torch.set_num_threads(1)
         rome.ops.rope_from_positions_(q_shard, k_shard, positions[lo:lo + shard], inv)
         threads = rome.last_call_threads()
         gathered_q = [torch.empty_like(q_shard) for _ in range(world)]
         gathered_k = [torch.empty_like(k_shard) for _ in range(world)]
         dist.all_gather(gathered_q, q_shard)
         dist.all_gather(gathered_k, k_shard)
-        t = torch.tensor([threads])
+        t = torch.tensor([threads, control])
         all_threads = [torch.empty_like(t) for _ in range(world)]
         dist.all_gather(all_threads, t)
         if rank == 0:
             whole_q, whole_k = rome.ops.rope_from_positions(q, k, positions, inv)
             torch.save(dict(same_q=torch.equal(torch.cat(gathered_q, 2), whole_q),
                             same_k=torch.equal(torch.cat(gathered_k, 2), whole_k),
-                            threads=[int(x) for x in all_threads]), result_path)
+                            threads=[int(x[0]) for x in all_threads],
+                            control=[int(x[1]) for x in all_threads]), result_path)
     finally:
         dist.destroy_process_group()
 
@@ -324,6 +348,7 @@ def test_two_ranks_context_parallel_match_one_process(tmp_path):
                        start_method="spawn")
     out = torch.load(result)
     assert out["same_q"] and out["same_k"]
+    assert out["control"] == [2, 2]
     assert out["threads"] == [1, 1]
 
 
