@@ -34,6 +34,7 @@ from typing import Tuple, Union
 import torch
 
 from . import ops
+from .ops import _broadcasts_to
 
 __all__ = ["apply_rotary_emb", "apply_rotary_emb_qwen", "WanAttnProcessor", "patch_wan"]
 
@@ -99,15 +100,6 @@ def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int
     )
 
 
-def _broadcasts_to(shape, target) -> bool:
-    if len(shape) > len(target):
-        return False
-    try:
-        return tuple(torch.broadcast_shapes(tuple(shape), tuple(target))) == tuple(target)
-    except RuntimeError:
-        return False
-
-
 def apply_rotary_emb(
     x: torch.Tensor,
     freqs_cis: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
@@ -140,14 +132,17 @@ def apply_rotary_emb(
         if (cos.dim() != 2 or not _kernel_ok(x, cos, sin, d)
                 or cos.device.type != "cpu" or sin.device.type != "cpu"):
             return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        # [S, D] tables broadcast to [B, H, S, D] as they are; [B, S, H, D] takes them as
+        # [S, 1, D]. (Each view op costs about a microsecond in eager mode: a decode step.)
         if sequence_dim == 2:
-            cos_b, sin_b = cos[None, None, :, :], sin[None, None, :, :]
+            cos_b, sin_b, lead = cos, sin, (1, 1, cos.shape[0])
         else:
-            cos_b, sin_b = cos[None, :, None, :], sin[None, :, None, :]
-        if not _broadcasts_to(cos_b.shape[:-1], x.shape[:-1]):
+            cos_b, sin_b, lead = cos[:, None], sin[:, None], (1, cos.shape[0], 1)
+        if not _broadcasts_to(lead, x.shape[:-1]):
             return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         rotation = "interleave" if use_real_unbind_dim == -1 else "half"
-        return ops.rope(x, None, cos_b, sin_b, rotation=rotation)[0]
+        return torch.ops.rome.rope.default(x, None, cos_b, sin_b, None, rotation, [], -1, "full",
+                                           [], None, None)[0]
 
     # Complex frequencies (Lumina): freqs_cis.unsqueeze(2) multiplies x's (real, imag) pairs.
     if (not torch.is_tensor(freqs_cis) or freqs_cis.dtype != torch.complex64
@@ -161,8 +156,8 @@ def apply_rotary_emb(
             or (torch.is_grad_enabled() and freqs_cis.requires_grad)):
         return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
     cos, sin = _real_imag(freqs_cis, 2)  # strided views: the kernel reads their columns
-    return torch.ops.rome.rope(x, None, cos, sin, None, "interleave", [], -1, "pairs", [], None,
-                               None)[0]
+    return torch.ops.rome.rope.default(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
+                                       None, None)[0]
 
 
 def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
@@ -184,8 +179,8 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
         return _qwen_reference(x, freqs_cis)
     cos, sin = _real_imag(freqs_cis, 1)  # strided views: the kernel reads their columns
     try:
-        return torch.ops.rome.rope(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
-                                   None, None)[0]
+        return torch.ops.rome.rope.default(x, None, cos, sin, None, "interleave", [], -1,
+                                           "pairs", [], None, None)[0]
     except (ValueError, IndexError):  # shapes the kernel does not take: PyTorch says why
         return _qwen_reference(x, freqs_cis)
 

@@ -85,7 +85,7 @@ def apply_rotary_emb(
         return (x.device.type == "cpu" and cos.device.type == "cpu" and sin.device.type == "cpu"
                 and x.dim() == 4 and x.dtype in _KERNEL_DTYPES and cos.dtype in _KERNEL_DTYPES
                 and sin.dtype in _KERNEL_DTYPES and x.shape[-1] % 2 == 0
-                and hf._broadcasts_to(cos.shape[:-1], x.shape[:-1]))
+                and ops._broadcasts_to(cos.shape[:-1], x.shape[:-1]))
 
     def one(x):
         if not ok(x):

@@ -102,14 +102,18 @@ def _check_range(positions: torch.Tensor, seqlen_ro: int) -> None:
 
 def _rotate(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
     rotary_dim = _check_tables(cos, sin, x.shape[-1])
-    cos_t, sin_t, positions = _positions_and_tables(x, cos.detach(), sin.detach(),
-                                                    seqlen_offsets, cu_seqlens, max_seqlen)
-    kw = dict(positions=positions, rotation="interleave" if interleaved else "half",
-              rotary_dim=rotary_dim, table_width="pairs" if interleaved else "halves")
+    # No gradient flows to the tables. (detach only where one could: each view op costs about a
+    # microsecond, a decode step's budget.)
+    cos = cos.detach() if cos.requires_grad else cos
+    sin = sin.detach() if sin.requires_grad else sin
+    cos_t, sin_t, positions = _positions_and_tables(x, cos, sin, seqlen_offsets, cu_seqlens,
+                                                    max_seqlen)
+    args = (positions, "interleave" if interleaved else "half", [], rotary_dim,
+            "pairs" if interleaved else "halves", [], None, None)
     if inplace and not (torch.is_grad_enabled() and x.requires_grad):
-        ops.rope_(x, None, cos_t, sin_t, **kw)
+        torch.ops.rome.rope_.default(x, None, cos_t, sin_t, *args)
         return x
-    y, _ = ops.rope(x, None, cos_t, sin_t, **kw)
+    y = torch.ops.rome.rope.default(x, None, cos_t, sin_t, *args)[0]
     if inplace:  # differentiable: the copy carries the rotation's gradient
         return x.copy_(y)
     return y

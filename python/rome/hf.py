@@ -47,6 +47,7 @@ import torch
 
 from . import _hf_forms as forms
 from . import ops
+from .ops import _broadcasts_to
 from . import tables as rome_tables
 
 __all__ = [
@@ -85,17 +86,6 @@ def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.d
     # x * cos + rotate_half(x) * sin: the promoted dtype of the three (tensors of any rank > 0).
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
 
-
-def _broadcasts_to(shape, target) -> bool:
-    """True when a tensor of `shape` broadcasts to `target` without growing it. (Plain
-    comparisons: torch.broadcast_shapes costs about 90 µs per call in eager mode, more than a
-    decode step's RoPE.)"""
-    if len(shape) > len(target):
-        return False
-    for s, t in zip(reversed(tuple(shape)), reversed(tuple(target))):
-        if s != 1 and s != t:
-            return False
-    return True
 
 
 def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:

@@ -80,8 +80,8 @@ def rerotate_(
     rd = 2 * inv_freq.numel()
     rotation = "half" if is_neox else "interleave"
     if paged:
-        torch.ops.rome.rerotate_paged_(key_cache, cos, sin, block_table, seq_lens, rotation,
-                                       int(rope_dim_offset))
+        torch.ops.rome.rerotate_paged_.default(key_cache, cos, sin, block_table, seq_lens,
+                                               rotation, int(rope_dim_offset))
         return key_cache
     if key_cache.dim() not in (3, 4):
         _fail("key_cache", "[num_seqs, S, H, D], [num_seqs, H, S, D] or [S, H, D]",

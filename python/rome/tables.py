@@ -232,5 +232,5 @@ def cos_sin(
         layout = "pairs"
     if layout not in ("half", "pairs"):
         raise ValueError(f"rome: layout: expected 'half' or 'pairs', got {layout!r}")
-    return torch.ops.rome.cos_sin(torch.as_tensor(positions), inv_freq, layout, float(amplitude),
-                                  dtype)
+    return torch.ops.rome.cos_sin.default(torch.as_tensor(positions), inv_freq, layout,
+                                          float(amplitude), dtype)

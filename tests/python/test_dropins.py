@@ -407,7 +407,9 @@ def test_diffusers_flux_interleaved(dtype, sequence_dim):
     if sequence_dim == 2:
         x = x.transpose(1, 2)  # BHSD view
     lib = embeddings.apply_rotary_emb(x, (cos, sin), sequence_dim=sequence_dim)
-    out = rome.diffusers.apply_rotary_emb(x, (cos, sin), sequence_dim=sequence_dim)
+    with torch.profiler.profile() as prof:
+        out = rome.diffusers.apply_rotary_emb(x, (cos, sin), sequence_dim=sequence_dim)
+    assert any(e.name == "rome::rope" for e in prof.events()), "took the PyTorch fallback"
     c = cos[None, :, None, :] if sequence_dim == 1 else cos[None, None]
     s = sin[None, :, None, :] if sequence_dim == 1 else sin[None, None]
     exact, terms = exact_and_terms(x, c, s, rotate_pairs64)
