@@ -349,8 +349,7 @@ double check_frequencies(const RotationData& rot, const Tables& tables) {
 constexpr double kMaxAngle = 0x1p50;
 
 double check_frequency_values(std::span<const double> frequencies, double amplitude,
-                              const std::string& frequencies_name,
-                              const std::string& amplitude_name) {
+                              const char* frequencies_name, const char* amplitude_name) {
   double largest = 0.0;
   for (std::size_t i = 0; i < frequencies.size(); ++i) {
     if (!std::isfinite(frequencies[i]))

@@ -74,8 +74,7 @@ struct ForwardPlan {
 // Table-free tables: finite frequencies and amplitude (errors name the given arguments); returns
 // the largest |frequency|.
 double check_frequency_values(std::span<const double> frequencies, double amplitude,
-                              const std::string& frequencies_name,
-                              const std::string& amplitude_name);
+                              const char* frequencies_name, const char* amplitude_name);
 // Whether |position × largest_frequency| is in the cos/sin kernel's exact reduction range; else
 // fail_angle reports `position` (found at `at`, e.g. "index [0, 3]") for argument "positions".
 bool angle_in_range(std::int64_t position, double largest_frequency);
