@@ -379,9 +379,22 @@ def forward(self, x, position_ids):
 )
 
 # transformers modeling modules (by file name) whose apply_rotary_pos_emb (or MLA
-# apply_rotary_pos_emb_interleave) RoME does not serve, with why. Empty for transformers 5.23: all
-# 190 of its importable modules defining either function are served.
+# apply_rotary_pos_emb_interleave) RoME does not serve, with why. Empty for transformers 5.24: all
+# 194 of its modules defining either function are served (190 of 5.23's).
 NOT_SERVED: Dict[str, str] = {}
+
+# RoPE functions under other names, which patch_model leaves as they are (transformers 5.24; the
+# README lists them too).
+OTHER_FUNCTIONS_NOT_SERVED: Dict[str, str] = {
+    "apply_rotary_emb (llama4, deepseek_v2)":
+        "complex freqs_cis times (real, imag) pairs of q and k in fp32: not recognised yet (the "
+        "same math as rome.diffusers.apply_rotary_emb_qwen: interleave with pairs tables)",
+    "vision_apply_rotary_emb (llama4)": "the vision tower's complex form: not recognised yet",
+    "apply_rotary_pos_emb_vision (27 modules: qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, ...)":
+        "vision towers' fp32 rotate_half on [S, H, D] with cos.unsqueeze(-2): not recognised yet "
+        "(patch_model serves the text decoder's apply_rotary_pos_emb of the same modules)",
+    "apply_rotary_time_emb (musicflamingo)": "an audio time embedding: not recognised yet",
+}
 
 _SIG_V5 = (["q", "k", "cos", "sin", "unsqueeze_dim"], [1], None)
 _SIG_V4 = (["q", "k", "cos", "sin", "position_ids", "unsqueeze_dim"], [None, 1], None)
