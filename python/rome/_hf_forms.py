@@ -1,10 +1,11 @@
 """The RoPE functions transformers' modeling modules define, beyond the Llama one, and RoME's
 replacement for each.
 
-A module's ``apply_rotary_pos_emb`` (or MLA's ``apply_rotary_pos_emb_interleave``) is served only
-when its syntax tree equals one of the templates below once every helper it calls is renamed to
-the canonical name (ROTATE_HALF, ROTATE_PAIRS, APPLY_HALVES, STACK_FREQS, ...) of the helper whose
-syntax tree and argument list it has, looked up in the function's own globals. So
+A module's ``apply_rotary_pos_emb`` (or MLA's ``apply_rotary_pos_emb_interleave``, or Llama-4's
+and DeepSeek-V2's complex-frequency ``apply_rotary_emb``) is served only when its syntax tree
+equals one of the templates below once every helper it calls is renamed to the canonical name
+(ROTATE_HALF, ROTATE_PAIRS, APPLY_HALVES, STACK_FREQS, ...) of the helper whose syntax tree and
+argument list it has, looked up in the function's own globals. So
 ``ROTATE_PAIRS(q)`` in a template means "q passed to a function, whatever its name, that is the
 pair rotation", never a guess from a name.
 
@@ -381,6 +382,25 @@ def _interleave_half_v5(q, k, cos, sin, unsqueeze_dim=1):
     return _interleave_half(q, k, cos, sin, None, unsqueeze_dim)
 
 
+# Llama-4 and DeepSeek-V2 (``apply_rotary_emb``): q and k as (real, imag) pairs times complex
+# freqs_cis in fp32, each result in its input's dtype: the interleave rotation with cos and sin
+# the real and imaginary parts, read in place as "pairs" tables (lane 2i and 2i + 1 read column i).
+def _complex_tables(freqs_cis):
+    if freqs_cis.dtype != torch.complex64:  # complex128 math, or not complex: the original's
+        raise ValueError("freqs_cis is not complex64")
+    return freqs_cis.real, freqs_cis.imag
+
+
+def _pairs_complex_llama4(xq, xk, freqs_cis):  # freqs_cis[:, :, None, :]
+    cos, sin = _complex_tables(freqs_cis[:, :, None, :])
+    return _rope(xq, xk, cos, sin, "interleave", -1, "pairs")
+
+
+def _pairs_complex_deepseek_v2(xq, xk, freqs_cis):  # freqs_cis.unsqueeze(1)
+    cos, sin = _complex_tables(freqs_cis.unsqueeze(1))
+    return _rope(xq, xk, cos, sin, "interleave", -1, "pairs")
+
+
 # ------------------------------------------------------------------------------------------------
 # The templates.
 
@@ -612,6 +632,30 @@ INTERLEAVE_FORMS: Tuple[Form, ...] = (
 INTERLEAVE_FORM_BY_KEY: Dict[str, Form] = {
     key_of(src): form for form in INTERLEAVE_FORMS for src in form.templates}
 
+# The complex-frequency function (Llama-4, DeepSeek-V2), patched where a module defines it.
+_XQ_XK = (["xq", "xk", "freqs_cis"], [], None)
+COMPLEX_FORMS: Tuple[Form, ...] = (
+    Form("pairs_complex_llama4", _pairs_complex_llama4, _XQ_XK, ("""
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    xq_out = torch.view_as_real(xq_ * freqs_cis[:, :, None, :]).flatten(3)
+    xk_out = torch.view_as_real(xk_ * freqs_cis[:, :, None, :]).flatten(3)
+    return xq_out.type_as(xq), xk_out.type_as(xk)
+""",)),
+    Form("pairs_complex_deepseek_v2", _pairs_complex_deepseek_v2, _XQ_XK, ("""
+def apply_rotary_emb(xq, xk, freqs_cis):
+    xq_ = torch.view_as_complex(xq.float().reshape(*xq.shape[:-1], -1, 2))
+    xk_ = torch.view_as_complex(xk.float().reshape(*xk.shape[:-1], -1, 2))
+    freqs_cis = freqs_cis.unsqueeze(1).to(xq_.device)
+    xq_out = torch.view_as_real(xq_ * freqs_cis).flatten(3).type_as(xq)
+    xk_out = torch.view_as_real(xk_ * freqs_cis).flatten(3).type_as(xk)
+    return xq_out, xk_out
+""",)),
+)
+COMPLEX_FORM_BY_KEY: Dict[str, Form] = {
+    key_of(src): form for form in COMPLEX_FORMS for src in form.templates}
+
 
 def make_replacement(form: Form, original: Callable) -> Callable:
     """`form.fast` with `original` (the module's own function) where RoME refuses the inputs."""
@@ -625,7 +669,7 @@ def make_replacement(form: Form, original: Callable) -> Callable:
                 pass
         return original(*args, **kwargs)
 
-    replacement.__name__ = replacement.__qualname__ = "apply_rotary_pos_emb"
+    replacement.__name__ = replacement.__qualname__ = function_def(form.templates[0]).name
     replacement.__doc__ = f"RoME's replacement for the '{form.name}' RoPE form (see " \
         f"rome._hf_forms.{fast.__name__})."
     replacement.rome_form = form.name

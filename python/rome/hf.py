@@ -379,16 +379,13 @@ def forward(self, x, position_ids):
 )
 
 # transformers modeling modules (by file name) whose apply_rotary_pos_emb (or MLA
-# apply_rotary_pos_emb_interleave) RoME does not serve, with why. Empty for transformers 5.24: all
-# 194 of its modules defining either function are served (190 of 5.23's).
+# apply_rotary_pos_emb_interleave, or the complex apply_rotary_emb) RoME does not serve, with
+# why. Empty for transformers 5.24: all 196 of its modules defining one of them are served.
 NOT_SERVED: Dict[str, str] = {}
 
 # RoPE functions under other names, which patch_model leaves as they are (transformers 5.24; the
 # README lists them too).
 OTHER_FUNCTIONS_NOT_SERVED: Dict[str, str] = {
-    "apply_rotary_emb (llama4, deepseek_v2)":
-        "complex freqs_cis times (real, imag) pairs of q and k in fp32: not recognised yet (the "
-        "same math as rome.diffusers.apply_rotary_emb_qwen: interleave with pairs tables)",
     "vision_apply_rotary_emb (llama4)": "the vision tower's complex form: not recognised yet",
     "apply_rotary_pos_emb_vision (27 modules: qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, ...)":
         "vision towers' fp32 rotate_half on [S, H, D] with cos.unsqueeze(-2): not recognised yet "
@@ -460,8 +457,23 @@ def _interleave_contract(module: ModuleType):
     return None, "apply_rotary_pos_emb_interleave is no form RoME serves"
 
 
+def _complex_contract(module: ModuleType):
+    """For a module defining the complex-frequency ``apply_rotary_emb`` (Llama-4, DeepSeek-V2):
+    (replacement, None), or (None, reason). (None, None) for modules without it."""
+    original = module.__dict__.get("apply_rotary_emb")
+    if original is None:
+        return None, None
+    fn = forms.function_def(_source_of(original) or "") if callable(original) else None
+    namespace = forms.namespace_of(original)
+    if fn is not None and namespace is not None and namespace.get("torch") is torch:
+        form = forms.COMPLEX_FORM_BY_KEY.get(forms.canonical_key(fn, namespace))
+        if form is not None and forms.signature(fn) == form.signature:
+            return forms.make_replacement(form, original), None
+    return None, "apply_rotary_emb is no form RoME serves"
+
+
 # The module-level functions patch_module replaces (attention layers look them up at call time).
-_PATCHED_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave")
+_PATCHED_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
 _REPLACEMENTS = (_apply_rotary_pos_emb_v5, apply_rotary_pos_emb, _apply_partial_rotary_pos_emb,
                  _apply_partial_rotary_pos_emb_v4)
 _LOCK = threading.Lock()
@@ -649,13 +661,19 @@ def _patch_modules(modules: Sequence[ModuleType]) -> HFPatch:
             if mla is not None:
                 swaps["apply_rotary_pos_emb_interleave"] = (
                     module.apply_rotary_pos_emb_interleave, mla)
+            complex_form, complex_reason = _complex_contract(module)
+            if complex_form is not None:
+                swaps["apply_rotary_emb"] = (module.apply_rotary_emb, complex_form)
             if not swaps:
-                skipped[name] = reason if mla_reason is None else f"{reason}; {mla_reason}"
+                skipped[name] = "; ".join(
+                    r for r in (reason, mla_reason, complex_reason) if r is not None)
                 continue
             if replacement is None and "apply_rotary_pos_emb" in module.__dict__:
                 skipped[name + ".apply_rotary_pos_emb"] = reason
             if mla_reason is not None:
                 skipped[name + ".apply_rotary_pos_emb_interleave"] = mla_reason
+            if complex_reason is not None:
+                skipped[name + ".apply_rotary_emb"] = complex_reason
             _ACTIVE[name] = [swaps, 1]
             for fn, (_, new) in swaps.items():
                 setattr(module, fn, new)
@@ -676,9 +694,10 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
     """Makes a loaded transformers model compute RoPE with RoME.
 
     transformers' attention layers call the module-level ``apply_rotary_pos_emb`` (and, in
-    DeepSeek-V3-style MLA, ``apply_rotary_pos_emb_interleave``) of their modeling module, looked up
-    at call time. This replaces those names in each modeling module the model's layers (and their
-    base classes) come from, when the function there is one of the forms RoME serves (its syntax
+    DeepSeek-V3-style MLA, ``apply_rotary_pos_emb_interleave``; in Llama-4 and DeepSeek-V2 the
+    complex-frequency ``apply_rotary_emb``) of their modeling module, looked up at call time.
+    This replaces those names in each modeling module the model's layers (and their base classes)
+    come from, when the function there is one of the forms RoME serves (its syntax
     tree, with the helpers it calls, equals a known transformers form: see rome/_hf_forms.py);
     anything else is left alone and listed in ``skipped``. A replaced function still runs the
     module's own where RoME's kernel refuses the inputs (float64, not on the CPU, ...).

@@ -1,8 +1,9 @@
 """rome.hf serves every RoPE function transformers' modeling modules define.
 
-For each modeling module of the installed transformers that defines ``apply_rotary_pos_emb``:
-patch_module must serve it (or the module must be listed in rome.hf.NOT_SERVED with its reason),
-and on inputs drawn for its form the replacement must
+For each modeling module of the installed transformers that defines ``apply_rotary_pos_emb`` (or
+MLA's ``apply_rotary_pos_emb_interleave``, or the complex-frequency ``apply_rotary_emb`` of
+Llama-4 and DeepSeek-V2): patch_module must serve it (or the module must be listed in
+rome.hf.NOT_SERVED with its reason), and on inputs drawn for its form the replacement must
 
 - run RoME's op (a profiler check),
 - give the original's output shapes and dtypes,
@@ -27,8 +28,7 @@ U32 = 2.0 ** -24
 
 
 def _defines_rope(module) -> bool:
-    return "apply_rotary_pos_emb" in module.__dict__ or \
-        "apply_rotary_pos_emb_interleave" in module.__dict__
+    return any(name in module.__dict__ for name in rome.hf._PATCHED_NAMES)
 
 
 def _modules_with_rope():
@@ -229,6 +229,50 @@ def test_every_served_module_matches_float64(rope_modules, dtype, tables):
     with_function = [m for m in rope_modules if "apply_rotary_pos_emb" in m.__dict__]
     assert checked >= 0.95 * len(with_function), checked
     assert mla_checked >= 12, mla_checked
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("family", ["llama4", "deepseek_v2"])
+def test_complex_frequency_forms(family, dtype):
+    """Llama-4's and DeepSeek-V2's ``apply_rotary_emb``: q and k [B, S, H, D] as (real, imag)
+    pairs times complex64 freqs_cis ([B, S, D/2] and [S, D/2]). RoME runs (profiler), with the
+    original's shapes and dtypes, correctly rounded against float64 complex math; complex128
+    frequencies run the original; undo restores it."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
+    except Exception as exc:
+        pytest.skip(f"transformers has no {family} here: {exc}")
+    original = module.__dict__.get("apply_rotary_emb")
+    if original is None:
+        pytest.skip(f"{family} defines no apply_rotary_emb in this transformers")
+    g = torch.Generator().manual_seed(3)
+    b, s, d = 2, 5, 16
+    xq = torch.randn(b, s, 3, d, generator=g).to(dtype)
+    xk = torch.randn(b, s, 2, d, generator=g).to(dtype)
+    shape = (b, s, d // 2) if family == "llama4" else (s, d // 2)
+    angle = torch.rand(shape, generator=g, dtype=torch.float64) * 200 - 100
+    freqs = torch.polar(torch.ones_like(angle), angle)
+    f_b = freqs[:, :, None, :] if family == "llama4" else freqs.unsqueeze(1)
+    with rome.hf.patch_module(module) as handle:
+        assert module.__name__ in handle.patched, handle.skipped
+        replacement = module.apply_rotary_emb
+        assert replacement is not original and replacement.__name__ == "apply_rotary_emb"
+        with torch.profiler.profile() as prof:
+            got = replacement(xq, xk, freqs.to(torch.complex64))
+        assert any(e.name == "rome::rope" for e in prof.events())
+        for out, x in zip(got, (xq, xk)):
+            assert out.shape == x.shape and out.dtype == x.dtype
+            pairs = torch.view_as_complex(x.double().reshape(*x.shape[:-1], -1, 2).contiguous())
+            exact = torch.view_as_real(pairs * f_b.to(torch.complex64).to(torch.complex128))
+            exact = exact.flatten(3)
+            bound = _ulp(exact, dtype) + 8 * U32 * 2 * x.abs().max().item()
+            assert bool(((out.double() - exact).abs() <= bound).all())
+        want = original(xq, xk, freqs)  # complex128: the original's math
+        for out, w in zip(replacement(xq, xk, freqs), want):
+            assert torch.equal(out, w)
+    assert module.apply_rotary_emb is original
 
 
 _SWAPPED_HELPER = """
