@@ -1,13 +1,13 @@
 """The RoPE functions transformers' modeling modules define, beyond the Llama one, and RoME's
 replacement for each.
 
-A module's ``apply_rotary_pos_emb`` (or MLA's ``apply_rotary_pos_emb_interleave``, or Llama-4's
-and DeepSeek-V2's complex-frequency ``apply_rotary_emb``) is served only when its syntax tree
-equals one of the templates below once every helper it calls is renamed to the canonical name
-(ROTATE_HALF, ROTATE_PAIRS, APPLY_HALVES, STACK_FREQS, ...) of the helper whose syntax tree and
-argument list it has, looked up in the function's own globals. So
-``ROTATE_PAIRS(q)`` in a template means "q passed to a function, whatever its name, that is the
-pair rotation", never a guess from a name.
+A module's ``apply_rotary_pos_emb`` (or MLA's ``apply_rotary_pos_emb_interleave``, Llama-4's and
+DeepSeek-V2's complex-frequency ``apply_rotary_emb``, a vision tower's
+``apply_rotary_pos_emb_vision``) is served only when its syntax tree equals one of the templates
+below once every helper it calls is renamed to the canonical name (ROTATE_HALF, ROTATE_PAIRS,
+APPLY_HALVES, STACK_FREQS, ...) of the helper whose syntax tree and argument list it has, looked
+up in the function's own globals. So ``ROTATE_PAIRS(q)`` in a template means "q passed to a
+function, whatever its name, that is the pair rotation", never a guess from a name.
 
 Each replacement runs RoME's op and falls back to the module's own function (same arguments)
 where the op refuses the inputs (float64, not on the CPU, tables that would broadcast q to a
@@ -45,6 +45,11 @@ def rotate_half(x):
     x2 = x[..., 1::2]
     rot_x = torch.stack([-x2, x1], dim=-1).flatten(-2)
     return rot_x
+""", """
+def rotate_pairwise(x):
+    x = x.view(*x.shape[:-1], -1, 2)
+    x1, x2 = x.unbind(dim=-1)
+    return torch.stack((-x2, x1), dim=-1).flatten(start_dim=-2)
 """),
     # NanoChat: [x1 | x2] -> [x2 | -x1], i.e. the rotation by -angle.
     "ROTATE_HALF_NEGATED": ("""
@@ -401,6 +406,22 @@ def _pairs_complex_deepseek_v2(xq, xk, freqs_cis):  # freqs_cis.unsqueeze(1)
     return _rope(xq, xk, cos, sin, "interleave", -1, "pairs")
 
 
+# The vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V and their kin
+# (``apply_rotary_pos_emb_vision``): x [S, H, D] with tables [S, D] unsqueezed at -2, fp32 math,
+# each result in its input's dtype.
+def _half_vision(q, k, cos, sin):
+    return _rope(q, k, cos.unsqueeze(-2), sin.unsqueeze(-2))
+
+
+def _pairs_vision(q, k, cos, sin):  # Inkling-2: the pair rotation
+    return _rope(q, k, cos.unsqueeze(-2), sin.unsqueeze(-2), "interleave")
+
+
+def _half_vision_partial(q, k, cos, sin):  # MiniMax-M3-VL: the first cos.shape[-1] lanes
+    c, s = cos[:, None, :], sin[:, None, :]
+    return _rope(_promoted(q, c, s), _promoted(k, c, s), c, s, "half", c.shape[-1])
+
+
 # ------------------------------------------------------------------------------------------------
 # The templates.
 
@@ -655,6 +676,44 @@ def apply_rotary_emb(xq, xk, freqs_cis):
 )
 COMPLEX_FORM_BY_KEY: Dict[str, Form] = {
     key_of(src): form for form in COMPLEX_FORMS for src in form.templates}
+
+# The vision towers' function, patched where a module defines it.
+VISION_FORMS: Tuple[Form, ...] = (
+    Form("half_vision", _half_vision, (["q", "k", "cos", "sin"], [], None), ("""
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    orig_q_dtype = q.dtype
+    orig_k_dtype = k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    q_embed = (q * cos) + (ROTATE_HALF(q) * sin)
+    k_embed = (k * cos) + (ROTATE_HALF(k) * sin)
+    q_embed = q_embed.to(orig_q_dtype)
+    k_embed = k_embed.to(orig_k_dtype)
+    return q_embed, k_embed
+""",)),
+    Form("pairs_vision", _pairs_vision, (["q", "k", "cos", "sin"], [], None), ("""
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    orig_q_dtype = q.dtype
+    orig_k_dtype = k.dtype
+    q, k = q.float(), k.float()
+    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
+    q_embed = (q * cos) + (ROTATE_PAIRS(q) * sin)
+    k_embed = (k * cos) + (ROTATE_PAIRS(k) * sin)
+    return q_embed.to(orig_q_dtype), k_embed.to(orig_k_dtype)
+""",)),
+    Form("half_vision_partial", _half_vision_partial, (["q", "k", "cos", "sin"], [], None), ("""
+def apply_rotary_pos_emb_vision(q, k, cos, sin):
+    rot_dim = cos.shape[-1]
+    cos, sin = cos[:, None, :], sin[:, None, :]
+    q_rot, q_pass = q[..., :rot_dim], q[..., rot_dim:]
+    k_rot, k_pass = k[..., :rot_dim], k[..., rot_dim:]
+    q_rot = q_rot * cos + ROTATE_HALF(q_rot) * sin
+    k_rot = k_rot * cos + ROTATE_HALF(k_rot) * sin
+    return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k_pass], dim=-1)
+""",)),
+)
+VISION_FORM_BY_KEY: Dict[str, Form] = {
+    key_of(src): form for form in VISION_FORMS for src in form.templates}
 
 
 def make_replacement(form: Form, original: Callable) -> Callable:

@@ -378,18 +378,15 @@ def forward(self, x, position_ids):
 """,
 )
 
-# transformers modeling modules (by file name) whose apply_rotary_pos_emb (or MLA
-# apply_rotary_pos_emb_interleave, or the complex apply_rotary_emb) RoME does not serve, with
-# why. Empty for transformers 5.24: all 196 of its modules defining one of them are served.
+# transformers modeling modules (by file name) whose apply_rotary_pos_emb (or one of
+# _OTHER_FUNCTIONS) RoME does not serve, with why. Empty for transformers 5.24: all 202 of its
+# modules defining one of them are served.
 NOT_SERVED: Dict[str, str] = {}
 
 # RoPE functions under other names, which patch_model leaves as they are (transformers 5.24; the
 # README lists them too).
 OTHER_FUNCTIONS_NOT_SERVED: Dict[str, str] = {
     "vision_apply_rotary_emb (llama4)": "the vision tower's complex form: not recognised yet",
-    "apply_rotary_pos_emb_vision (27 modules: qwen2_vl, qwen2_5_vl, qwen3_vl, glm4v, ...)":
-        "vision towers' fp32 rotate_half on [S, H, D] with cos.unsqueeze(-2): not recognised yet "
-        "(patch_model serves the text decoder's apply_rotary_pos_emb of the same modules)",
     "apply_rotary_time_emb (musicflamingo)": "an audio time embedding: not recognised yet",
 }
 
@@ -442,38 +439,32 @@ def _contract(module: ModuleType):
     return None, "apply_rotary_pos_emb (with the helpers it calls) is no form RoME serves"
 
 
-def _interleave_contract(module: ModuleType):
-    """For a module defining ``apply_rotary_pos_emb_interleave`` (DeepSeek-V3's MLA path and its
-    kin): (replacement, None), or (None, reason). (None, None) for modules without it."""
-    original = module.__dict__.get("apply_rotary_pos_emb_interleave")
+# The module-level functions patch_module replaces beside apply_rotary_pos_emb (MLA's, Llama-4's
+# and DeepSeek-V2's complex one, the vision towers'), each with the forms it may take.
+_OTHER_FUNCTIONS: Dict[str, Dict[str, "forms.Form"]] = {
+    "apply_rotary_pos_emb_interleave": forms.INTERLEAVE_FORM_BY_KEY,
+    "apply_rotary_emb": forms.COMPLEX_FORM_BY_KEY,
+    "apply_rotary_pos_emb_vision": forms.VISION_FORM_BY_KEY,
+}
+
+
+def _named_contract(module: ModuleType, name: str):
+    """For a module defining `name` (one of _OTHER_FUNCTIONS): (replacement, None), or (None,
+    reason). (None, None) for modules without it."""
+    original = module.__dict__.get(name)
     if original is None:
         return None, None
     fn = forms.function_def(_source_of(original) or "") if callable(original) else None
     namespace = forms.namespace_of(original)
     if fn is not None and namespace is not None and namespace.get("torch") is torch:
-        form = forms.INTERLEAVE_FORM_BY_KEY.get(forms.canonical_key(fn, namespace))
+        form = _OTHER_FUNCTIONS[name].get(forms.canonical_key(fn, namespace))
         if form is not None and forms.signature(fn) == form.signature:
             return forms.make_replacement(form, original), None
-    return None, "apply_rotary_pos_emb_interleave is no form RoME serves"
-
-
-def _complex_contract(module: ModuleType):
-    """For a module defining the complex-frequency ``apply_rotary_emb`` (Llama-4, DeepSeek-V2):
-    (replacement, None), or (None, reason). (None, None) for modules without it."""
-    original = module.__dict__.get("apply_rotary_emb")
-    if original is None:
-        return None, None
-    fn = forms.function_def(_source_of(original) or "") if callable(original) else None
-    namespace = forms.namespace_of(original)
-    if fn is not None and namespace is not None and namespace.get("torch") is torch:
-        form = forms.COMPLEX_FORM_BY_KEY.get(forms.canonical_key(fn, namespace))
-        if form is not None and forms.signature(fn) == form.signature:
-            return forms.make_replacement(form, original), None
-    return None, "apply_rotary_emb is no form RoME serves"
+    return None, f"{name} is no form RoME serves"
 
 
 # The module-level functions patch_module replaces (attention layers look them up at call time).
-_PATCHED_NAMES = ("apply_rotary_pos_emb", "apply_rotary_pos_emb_interleave", "apply_rotary_emb")
+_PATCHED_NAMES = ("apply_rotary_pos_emb", *_OTHER_FUNCTIONS)
 _REPLACEMENTS = (_apply_rotary_pos_emb_v5, apply_rotary_pos_emb, _apply_partial_rotary_pos_emb,
                  _apply_partial_rotary_pos_emb_v4)
 _LOCK = threading.Lock()
@@ -657,23 +648,19 @@ def _patch_modules(modules: Sequence[ModuleType]) -> HFPatch:
             replacement, reason = _contract(module)
             if replacement is not None:
                 swaps["apply_rotary_pos_emb"] = (module.apply_rotary_pos_emb, replacement)
-            mla, mla_reason = _interleave_contract(module)
-            if mla is not None:
-                swaps["apply_rotary_pos_emb_interleave"] = (
-                    module.apply_rotary_pos_emb_interleave, mla)
-            complex_form, complex_reason = _complex_contract(module)
-            if complex_form is not None:
-                swaps["apply_rotary_emb"] = (module.apply_rotary_emb, complex_form)
+            reasons = {}
+            for fn_name in _OTHER_FUNCTIONS:
+                other, reasons[fn_name] = _named_contract(module, fn_name)
+                if other is not None:
+                    swaps[fn_name] = (module.__dict__[fn_name], other)
             if not swaps:
-                skipped[name] = "; ".join(
-                    r for r in (reason, mla_reason, complex_reason) if r is not None)
+                skipped[name] = "; ".join(r for r in (reason, *reasons.values()) if r is not None)
                 continue
             if replacement is None and "apply_rotary_pos_emb" in module.__dict__:
                 skipped[name + ".apply_rotary_pos_emb"] = reason
-            if mla_reason is not None:
-                skipped[name + ".apply_rotary_pos_emb_interleave"] = mla_reason
-            if complex_reason is not None:
-                skipped[name + ".apply_rotary_emb"] = complex_reason
+            for fn_name, why in reasons.items():
+                if why is not None:
+                    skipped[f"{name}.{fn_name}"] = why
             _ACTIVE[name] = [swaps, 1]
             for fn, (_, new) in swaps.items():
                 setattr(module, fn, new)
@@ -695,7 +682,8 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
 
     transformers' attention layers call the module-level ``apply_rotary_pos_emb`` (and, in
     DeepSeek-V3-style MLA, ``apply_rotary_pos_emb_interleave``; in Llama-4 and DeepSeek-V2 the
-    complex-frequency ``apply_rotary_emb``) of their modeling module, looked up at call time.
+    complex-frequency ``apply_rotary_emb``; in vision towers ``apply_rotary_pos_emb_vision``) of
+    their modeling module, looked up at call time.
     This replaces those names in each modeling module the model's layers (and their base classes)
     come from, when the function there is one of the forms RoME serves (its syntax
     tree, with the helpers it calls, equals a known transformers form: see rome/_hf_forms.py);

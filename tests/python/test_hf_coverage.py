@@ -1,9 +1,10 @@
 """rome.hf serves every RoPE function transformers' modeling modules define.
 
-For each modeling module of the installed transformers that defines ``apply_rotary_pos_emb`` (or
-MLA's ``apply_rotary_pos_emb_interleave``, or the complex-frequency ``apply_rotary_emb`` of
-Llama-4 and DeepSeek-V2): patch_module must serve it (or the module must be listed in
-rome.hf.NOT_SERVED with its reason), and on inputs drawn for its form the replacement must
+For each modeling module of the installed transformers that defines ``apply_rotary_pos_emb`` or
+another function rome.hf patches (MLA's ``apply_rotary_pos_emb_interleave``, Llama-4's and
+DeepSeek-V2's complex ``apply_rotary_emb``, ``apply_rotary_pos_emb_vision``): patch_module must
+serve it (or the module must be listed in rome.hf.NOT_SERVED with its reason), and on inputs
+drawn for its form the replacement must
 
 - run RoME's op (a profiler check),
 - give the original's output shapes and dtypes,
@@ -273,6 +274,69 @@ def test_complex_frequency_forms(family, dtype):
         for out, w in zip(replacement(xq, xk, freqs), want):
             assert torch.equal(out, w)
     assert module.apply_rotary_emb is original
+
+
+def _vision_exact(form, x, cos, sin):
+    """A vision tower's rotation of x [S, H, D] by tables [S, W] in float64."""
+    x, cos, sin = x.double(), cos.double()[:, None, :], sin.double()[:, None, :]
+    rot = cos.shape[-1]
+    xr = x[..., :rot]
+    if form == "pairs_vision":
+        partner = torch.stack((-xr[..., 1::2], xr[..., 0::2]), -1).flatten(-2)
+    else:
+        partner = torch.cat((-xr[..., rot // 2:], xr[..., : rot // 2]), -1)
+    return torch.cat((xr * cos + partner * sin, x[..., rot:]), -1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_every_vision_function_matches_float64(rope_modules, dtype):
+    """``apply_rotary_pos_emb_vision`` (Qwen2-VL's vision tower and its kin: q and k [S, H, D],
+    tables [S, D], or [S, D/2] for MiniMax-M3-VL's partial form): RoME runs (profiler), with the
+    original's shapes and dtypes, correctly rounded against float64; float64 inputs run the
+    original."""
+    g = torch.Generator().manual_seed(5)
+    checked, failures = 0, []
+    for module in rope_modules:
+        original = module.__dict__.get("apply_rotary_pos_emb_vision")
+        if original is None:
+            continue
+        with rome.hf.patch_module(module) as handle:
+            replacement = module.apply_rotary_pos_emb_vision
+            if replacement is original:
+                failures.append(f"{module.__name__}: not patched ({handle.skipped})")
+                continue
+            form = replacement.rome_form
+            width = 8 if form == "half_vision_partial" else 16
+            q = torch.randn(7, 3, 16, generator=g).to(dtype)
+            k = torch.randn(7, 3, 16, generator=g).to(dtype)
+            angle = torch.rand(7, width // 2, generator=g, dtype=torch.float64) * 20 - 10
+            if form == "pairs_vision":
+                angle = angle.repeat_interleave(2, -1)
+            else:
+                angle = torch.cat([angle, angle], -1)
+            cos, sin = angle.cos().float(), angle.sin().float()
+            want = original(q, k, cos, sin)
+            with torch.profiler.profile() as prof:
+                got = replacement(q, k, cos, sin)
+            if not any(e.name == "rome::rope" for e in prof.events()):
+                failures.append(f"{module.__name__}: rome::rope did not run")
+                continue
+            for out, ref, x in zip(got, want, (q, k)):
+                exact = _vision_exact(form, x, cos, sin)
+                bound = _ulp(exact, out.dtype) + 8 * U32 * 2 * x.abs().max().item()
+                if out.shape != ref.shape or out.dtype != ref.dtype:
+                    failures.append(f"{module.__name__}: {out.dtype} {tuple(out.shape)} vs "
+                                    f"{ref.dtype} {tuple(ref.shape)}")
+                elif not bool(((out.double() - exact).abs() <= bound).all()):
+                    failures.append(f"{module.__name__} ({form}): over the bound")
+            wide = (q.double(), k.double(), cos.double(), sin.double())
+            for out, ref in zip(replacement(*wide), original(*wide)):
+                if not torch.equal(out, ref):
+                    failures.append(f"{module.__name__}: float64 inputs did not run the original")
+            checked += 1
+        assert module.apply_rotary_pos_emb_vision is original
+    assert not failures, "\n".join(failures)
+    assert checked >= 20, checked
 
 
 _SWAPPED_HELPER = """

@@ -173,3 +173,39 @@ def test_tiny_model_of_every_family_same_logits():
     print(f"not built here ({len(not_built)}): {not_built}", file=sys.stderr)
     assert not failures, "\n".join(failures)
     assert len(ran) >= 80, ran
+
+
+@pytest.mark.one_isa
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tiny_qwen2_vl_vision_tower_same_output(dtype):
+    """Qwen2-VL's vision tower (2 blocks, random init; its apply_rotary_pos_emb_vision) patched:
+    RoME runs in every block and the output matches transformers' within its own bf16 noise."""
+    try:
+        from transformers.models.qwen2_vl import modeling_qwen2_vl as qwen2_vl
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+    except Exception as exc:
+        pytest.skip(f"no Qwen2-VL in this transformers: {exc}")
+    config = Qwen2VLVisionConfig(depth=2, embed_dim=64, hidden_size=64, num_heads=4, mlp_ratio=2,
+                                 patch_size=14, spatial_merge_size=2, temporal_patch_size=2,
+                                 in_channels=3)
+    torch.manual_seed(0)
+    model = qwen2_vl.Qwen2VisionTransformerPretrainedModel._from_config(config).eval()
+    grid = torch.tensor([[1, 4, 6]])  # t, h, w patches of one image
+    pixels = torch.randn(int(grid.prod()), 3 * 2 * 14 * 14)
+
+    def run(m, x):
+        with torch.no_grad():
+            out = m(x, grid_thw=grid)
+        out = getattr(out, "last_hidden_state", out)
+        return (out[0] if isinstance(out, tuple) else out).float()
+
+    ref32 = run(model, pixels)
+    model = model.to(dtype)
+    ref = run(model, pixels.to(dtype))
+    with rome.hf.patch_model(model, warn=False) as handle:
+        assert qwen2_vl.__name__ in handle.patched, handle.skipped
+        with torch.profiler.profile() as prof:
+            out = run(model, pixels.to(dtype))
+    assert sum(e.name == "rome::rope" for e in prof.events()) == config.depth
+    noise = (ref - ref32).abs().max().item()
+    assert (out - ref).abs().max().item() <= 2 * noise + 1e-5 * ref32.abs().max().item()
