@@ -1,5 +1,5 @@
 """A tiny random-init causal LM of every transformers family whose modeling module defines
-``apply_rotary_pos_emb``: patched by rome.hf, its logits match transformers' own in fp32 and bf16.
+a function rome.hf patches: patched, its logits match transformers' own in fp32 and bf16.
 
 Its own file (not test_hf_coverage.py's): the two are the longest test files, and pytest's
 ``--dist loadfile`` runs them on different workers.
@@ -78,7 +78,7 @@ def _logits(model, ids):
 def test_tiny_model_of_every_family_same_logits():
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
-    ran, not_built, failures, bf16_forms = [], {}, [], set()
+    ran, not_built, failures, forms_seen = [], {}, [], set()
     ids = torch.randint(1, 100, (2, 9), generator=torch.Generator().manual_seed(3))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -119,14 +119,9 @@ def test_tiny_model_of_every_family_same_logits():
                     continue
                 with torch.profiler.profile() as prof:
                     out32 = _logits(model, ids)
-                # bf16 once per combination of forms (fp32 for every family): CI time.
-                forms = tuple(_form_of(module.__dict__[n]) for n in sorted(originals))
-                in_bf16 = forms not in bf16_forms
-                bf16_forms.add(forms)
-                if in_bf16:
-                    out16 = _logits(model.to(torch.bfloat16), ids)
-            if in_bf16:
-                ref16 = _logits(model, ids)
+                forms_seen.add(tuple(_form_of(module.__dict__[n]) for n in sorted(originals)))
+                out16 = _logits(model.to(torch.bfloat16), ids)
+            ref16 = _logits(model, ids)
 
             def exactly_rounded(fn):
                 def rounded(*args, **kwargs):
@@ -158,8 +153,6 @@ def test_tiny_model_of_every_family_same_logits():
             # model or the same model with RoPE exactly rounded, whichever is nearer; allowed:
             # transformers' own bf16 error (against fp32) twice over.
             ran.append(model_type)
-            if not in_bf16:
-                continue
             err16 = (out16 - ref16).abs().max().item()
             noise16 = (ref16 - ref32).abs().max().item()
             if err16 > 2 * noise16 + 1e-3 * scale:
@@ -167,9 +160,9 @@ def test_tiny_model_of_every_family_same_logits():
             if err16 > 2 * noise16 + 1e-3 * scale:
                 failures.append(f"{model_type}: bf16 logits differ by {err16:.3g} "
                                 f"(transformers' bf16 error {noise16:.3g})")
-    print(f"{len(ran)} families ran through RoME: {ran}; bf16 for the forms {bf16_forms}",
+    print(f"{len(ran)} families ran through RoME in fp32 and bf16: {ran}; forms {forms_seen}",
           file=sys.stderr)
-    assert len(bf16_forms) >= 10, bf16_forms
+    assert len(forms_seen) >= 10, forms_seen
     print(f"not built here ({len(not_built)}): {not_built}", file=sys.stderr)
     assert not failures, "\n".join(failures)
     assert len(ran) >= 80, ran
