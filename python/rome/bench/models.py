@@ -521,6 +521,15 @@ def _fp32_errors(r: Dict) -> str:
     return f"{r['torch_error_vs_fp32']:.1e} / {r['rome_error_vs_fp32']:.1e}"
 
 
+def _tokens_vs_seed(r: Dict) -> str:
+    """The row's tokens, and the scale against the seed's sequence length for that model."""
+    tokens = r.get("tokens", r["seq"])
+    seed = SEED_LENGTHS.get(r.get("key", ""))
+    if not seed or not isinstance(r.get("seq"), int):
+        return f"{tokens}"
+    return f"{tokens} (S {r['seq']} = {r['seq'] / seed:.3g}x the seed's {seed})"
+
+
 def markdown(res: Dict, png_name: Optional[str] = None) -> str:
     lines = [
         f"### Real models with and without RoME ({res['isa']}; one decoder layer or block from the real "
@@ -541,7 +550,7 @@ def markdown(res: Dict, png_name: Optional[str] = None) -> str:
         share = "inline, not timed" if inline else f"{r['rope_share_torch'] * 100:.2f}%"
         rope_torch = "n/a" if inline else f"{r['rope_s_torch'] * 1e3:.2f}"
         lines.append(
-            f"| {r['title']} | {r.get('tokens', r['seq'])} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
+            f"| {r['title']} | {_tokens_vs_seed(r)} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
             f"{r['rome_s'] * 1e3:.1f} ms | {r['speedup_pct']:+.1f}% | {share} | {rope_torch} / "
             f"{r['rope_s_rome'] * 1e3:.2f} ms | {r['max_rel_diff']:.1e} | "
             f"{_fp32_errors(r)} | "
