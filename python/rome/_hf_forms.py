@@ -678,30 +678,26 @@ COMPLEX_FORM_BY_KEY: Dict[str, Form] = {
     key_of(src): form for form in COMPLEX_FORMS for src in form.templates}
 
 # The vision towers' function, patched where a module defines it.
-VISION_FORMS: Tuple[Form, ...] = (
-    Form("half_vision", _half_vision, (["q", "k", "cos", "sin"], [], None), ("""
+_QK_ONLY = (["q", "k", "cos", "sin"], [], None)
+_VISION_FP32 = """
 def apply_rotary_pos_emb_vision(q, k, cos, sin):
     orig_q_dtype = q.dtype
     orig_k_dtype = k.dtype
     q, k = q.float(), k.float()
     cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    q_embed = (q * cos) + (ROTATE_HALF(q) * sin)
-    k_embed = (k * cos) + (ROTATE_HALF(k) * sin)
+    q_embed = (q * cos) + ({rotate}(q) * sin)
+    k_embed = (k * cos) + ({rotate}(k) * sin)
+"""
+VISION_FORMS: Tuple[Form, ...] = (
+    Form("half_vision", _half_vision, _QK_ONLY, (_VISION_FP32.format(rotate="ROTATE_HALF") + """
     q_embed = q_embed.to(orig_q_dtype)
     k_embed = k_embed.to(orig_k_dtype)
     return q_embed, k_embed
 """,)),
-    Form("pairs_vision", _pairs_vision, (["q", "k", "cos", "sin"], [], None), ("""
-def apply_rotary_pos_emb_vision(q, k, cos, sin):
-    orig_q_dtype = q.dtype
-    orig_k_dtype = k.dtype
-    q, k = q.float(), k.float()
-    cos, sin = cos.unsqueeze(-2).float(), sin.unsqueeze(-2).float()
-    q_embed = (q * cos) + (ROTATE_PAIRS(q) * sin)
-    k_embed = (k * cos) + (ROTATE_PAIRS(k) * sin)
+    Form("pairs_vision", _pairs_vision, _QK_ONLY, (_VISION_FP32.format(rotate="ROTATE_PAIRS") + """
     return q_embed.to(orig_q_dtype), k_embed.to(orig_k_dtype)
 """,)),
-    Form("half_vision_partial", _half_vision_partial, (["q", "k", "cos", "sin"], [], None), ("""
+    Form("half_vision_partial", _half_vision_partial, _QK_ONLY, ("""
 def apply_rotary_pos_emb_vision(q, k, cos, sin):
     rot_dim = cos.shape[-1]
     cos, sin = cos[:, None, :], sin[:, None, :]
