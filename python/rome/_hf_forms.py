@@ -390,34 +390,47 @@ def _interleave_half_v5(q, k, cos, sin, unsqueeze_dim=1):
 # Llama-4 and DeepSeek-V2 (``apply_rotary_emb``): q and k as (real, imag) pairs times complex
 # freqs_cis in fp32, each result in its input's dtype: the interleave rotation with cos and sin
 # the real and imaginary parts, read in place as "pairs" tables (lane 2i and 2i + 1 read column i).
-def _complex_tables(freqs_cis):
+def _complex_tables(xq, xk, freqs_cis):
     if freqs_cis.dtype != torch.complex64:  # complex128 math, or not complex: the original's
         raise ValueError("freqs_cis is not complex64")
+    # flatten(3) keeps x's shape for rank 4 only; the originals reshape(-1) fails on no elements.
+    if xk is None or xq.dim() != 4 or xk.dim() != 4 or xq.numel() == 0 or xk.numel() == 0:
+        raise ValueError("not two non-empty rank-4 tensors")
     return freqs_cis.real, freqs_cis.imag
 
 
 def _pairs_complex_llama4(xq, xk, freqs_cis):  # freqs_cis[:, :, None, :]
-    cos, sin = _complex_tables(freqs_cis[:, :, None, :])
+    cos, sin = _complex_tables(xq, xk, freqs_cis[:, :, None, :])
     return _rope(xq, xk, cos, sin, "interleave", -1, "pairs")
 
 
 def _pairs_complex_deepseek_v2(xq, xk, freqs_cis):  # freqs_cis.unsqueeze(1)
-    cos, sin = _complex_tables(freqs_cis.unsqueeze(1))
+    cos, sin = _complex_tables(xq, xk, freqs_cis.unsqueeze(1))
     return _rope(xq, xk, cos, sin, "interleave", -1, "pairs")
 
 
 # The vision towers of Qwen2-VL, Qwen2.5-VL, Qwen3-VL, GLM-4V and their kin
 # (``apply_rotary_pos_emb_vision``): x [S, H, D] with tables [S, D] unsqueezed at -2, fp32 math,
 # each result in its input's dtype.
+def _needs_k(k):
+    if k is None:  # the originals take k's attributes
+        raise ValueError("k is None")
+
+
 def _half_vision(q, k, cos, sin):
+    _needs_k(k)
     return _rope(q, k, cos.unsqueeze(-2), sin.unsqueeze(-2))
 
 
 def _pairs_vision(q, k, cos, sin):  # Inkling-2: the pair rotation
+    _needs_k(k)
+    if q.numel() == 0 or k.numel() == 0:  # its rotate_pairwise's view(-1) fails on no elements
+        raise ValueError("empty q or k")
     return _rope(q, k, cos.unsqueeze(-2), sin.unsqueeze(-2), "interleave")
 
 
 def _half_vision_partial(q, k, cos, sin):  # MiniMax-M3-VL: the first cos.shape[-1] lanes
+    _needs_k(k)
     c, s = cos[:, None, :], sin[:, None, :]
     return _rope(_promoted(q, c, s), _promoted(k, c, s), c, s, "half", c.shape[-1])
 

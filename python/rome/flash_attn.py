@@ -179,8 +179,10 @@ def apply_rotary_emb_qkv_(
         _rotate(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved,
                 True, seqlen_offsets, None, None)
         return qkv
-    # One pass over q and k together.
+    # One pass over q and k together (no gradient flows to the tables, as in _rotate).
     rotary_dim = _check_tables(cos, sin, qkv.shape[-1])
+    cos = cos.detach() if cos.requires_grad else cos
+    sin = sin.detach() if sin.requires_grad else sin
     cos_t, sin_t, positions = _positions_and_tables(q, cos, sin, seqlen_offsets, None, None)
     ops.rope_(q, k, cos_t, sin_t, positions=positions,
               rotation="interleave" if interleaved else "half", rotary_dim=rotary_dim,

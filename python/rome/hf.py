@@ -8,12 +8,14 @@
   section selection into ``Qwen2VLRotaryEmbedding`` and calls plain ``apply_rotary_pos_emb``, so
   :func:`patch_model` covers Qwen2-VL's text model there.
 - :func:`patch_model` / :func:`patch_module` — make a loaded model's attention layers use RoME.
-  They recognise every RoPE function transformers 5.23's modeling modules define (all 190 that
-  define ``apply_rotary_pos_emb`` or DeepSeek-V3's MLA ``apply_rotary_pos_emb_interleave``):
-  Llama's, partial rotary, the fp32 up-casting forms (OLMo, ModernBERT, Cohere, Ernie), the
-  interleaved ones (GPT-J, Cohere, GLM, Helium, DeepSeek-V4's trailing rope lanes), MLA's
-  de-interleave, single-tensor (Gemma-3n/4), q/k/v (CLVP), prefix tokens (DINOv3) and the rest;
-  see rome/_hf_forms.py. :func:`patch_model` also replaces the forward of the model's Llama-style
+  They recognise every RoPE function transformers 5.24's modeling modules define under the names
+  they patch (all 202 modules that define ``apply_rotary_pos_emb``, DeepSeek-V3's MLA
+  ``apply_rotary_pos_emb_interleave``, Llama-4's and DeepSeek-V2's complex ``apply_rotary_emb`` or
+  a vision tower's ``apply_rotary_pos_emb_vision``): Llama's, partial rotary, the fp32 up-casting
+  forms (OLMo, ModernBERT, Cohere, Ernie), the interleaved ones (GPT-J, Cohere, GLM, Helium,
+  DeepSeek-V4's trailing rope lanes), MLA's de-interleave, complex frequencies, vision towers,
+  single-tensor (Gemma-3n/4), q/k/v (CLVP), prefix tokens (DINOv3) and the rest; see
+  rome/_hf_forms.py and OTHER_FUNCTIONS_NOT_SERVED for the functions under other names. :func:`patch_model` also replaces the forward of the model's Llama-style
   rotary embedding modules (``inv_freq`` + ``attention_scaling``: rope types default, linear,
   dynamic, yarn, longrope, llama3 and every other type whose module computes ``cos/sin(position ×
   inv_freq) · attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
@@ -388,6 +390,10 @@ NOT_SERVED: Dict[str, str] = {}
 OTHER_FUNCTIONS_NOT_SERVED: Dict[str, str] = {
     "vision_apply_rotary_emb (llama4)": "the vision tower's complex form: not recognised yet",
     "apply_rotary_time_emb (musicflamingo)": "an audio time embedding: not recognised yet",
+    "apply_rotary_pos_emb_2d (sam2_video, sam3, sam3_tracker_video)":
+        "2D RoPE of the video trackers' memory attention: not recognised yet",
+    "apply_rotary_pos_emb_2d_self_attn, apply_rotary_pos_emb_2d_cross_attn (edgetam_video)":
+        "the same trackers' 2D forms: not recognised yet",
 }
 
 _SIG_V5 = (["q", "k", "cos", "sin", "unsqueeze_dim"], [1], None)
@@ -669,11 +675,11 @@ def _patch_modules(modules: Sequence[ModuleType]) -> HFPatch:
 
 
 def patch_module(module: ModuleType) -> HFPatch:
-    """Replaces ``module.apply_rotary_pos_emb`` (a transformers modeling module, e.g.
-    ``transformers.models.llama.modeling_llama``) by RoME's, when it has the Llama contract (or
-    its partial-rotary form); the attention layers look the name up at call time. Returns an
-    :class:`HFPatch` (``patched`` is empty, with the reason in ``skipped``, when the module's
-    function is another variant)."""
+    """Replaces ``module.apply_rotary_pos_emb`` and the other RoPE functions RoME patches
+    (``_PATCHED_NAMES``) of a transformers modeling module (e.g.
+    ``transformers.models.llama.modeling_llama``) by RoME's, each where it is a form RoME serves;
+    the attention layers look the names up at call time. Returns an :class:`HFPatch`
+    (``patched`` is empty, with the reasons in ``skipped``, when none of them is)."""
     return _patch_modules([module])
 
 
@@ -718,7 +724,7 @@ def patch_model(model: torch.nn.Module, warn: bool = True, rotary: bool = True) 
         handle.skipped.update(skipped)
     if warn and not handle.patched and not handle._rotary:
         reasons = "; ".join(f"{k}: {v}" for k, v in handle.skipped.items()) or \
-            "no modeling module of the model defines apply_rotary_pos_emb"
+            f"no modeling module of the model defines one of {', '.join(_PATCHED_NAMES)}"
         warnings.warn(f"rome.hf.patch_model: nothing patched ({reasons})", stacklevel=2)
     return handle
 

@@ -203,7 +203,8 @@ def test_every_served_module_matches_float64(rope_modules, dtype, tables):
         try:
             if module.__name__ not in handle.patched:
                 continue
-            if original is not None:
+            # (A module patched for another function only: test_every_module_is_served says so.)
+            if original is not None and module.apply_rotary_pos_emb is not original:
                 replacement = module.apply_rotary_pos_emb
                 form = _form_of(replacement)
                 failures += _check_against_float64(f"{module.__name__} ({form})", form,
@@ -273,6 +274,18 @@ def test_complex_frequency_forms(family, dtype):
         want = original(xq, xk, freqs)  # complex128: the original's math
         for out, w in zip(replacement(xq, xk, freqs), want):
             assert torch.equal(out, w)
+        # Rank 3 (flatten(3) changes the shape there) and empty x: the original's result or error.
+        f64 = freqs.to(torch.complex64)
+        if family == "deepseek_v2":
+            x3 = torch.randn(s, 3, d, generator=g).to(dtype)
+            for out, w in zip(replacement(x3, x3, f64), original(x3, x3, f64)):
+                assert out.shape == w.shape and torch.equal(out, w)
+        empty = xq[:, :0]
+        with pytest.raises(RuntimeError) as theirs:
+            original(empty, empty, f64[:, :0] if family == "llama4" else f64[:0])
+        with pytest.raises(RuntimeError) as ours:
+            replacement(empty, empty, f64[:, :0] if family == "llama4" else f64[:0])
+        assert str(ours.value) == str(theirs.value)
     assert module.apply_rotary_emb is original
 
 
