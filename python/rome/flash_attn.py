@@ -100,12 +100,15 @@ def _check_range(positions: torch.Tensor, seqlen_ro: int) -> None:
               f"[0, seqlen_ro = {seqlen_ro})", f"positions {low}..{high}")
 
 
+def _without_grad(table: torch.Tensor) -> torch.Tensor:
+    """No gradient flows to flash-attn's tables. (detach only where one could: each view op costs
+    about a microsecond, a decode step's budget.)"""
+    return table.detach() if table.requires_grad else table
+
+
 def _rotate(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_seqlen):
     rotary_dim = _check_tables(cos, sin, x.shape[-1])
-    # No gradient flows to the tables. (detach only where one could: each view op costs about a
-    # microsecond, a decode step's budget.)
-    cos = cos.detach() if cos.requires_grad else cos
-    sin = sin.detach() if sin.requires_grad else sin
+    cos, sin = _without_grad(cos), _without_grad(sin)
     cos_t, sin_t, positions = _positions_and_tables(x, cos, sin, seqlen_offsets, cu_seqlens,
                                                     max_seqlen)
     args = (positions, "interleave" if interleaved else "half", [], rotary_dim,
@@ -179,10 +182,9 @@ def apply_rotary_emb_qkv_(
         _rotate(k, cos if cos_k is None else cos_k, sin if sin_k is None else sin_k, interleaved,
                 True, seqlen_offsets, None, None)
         return qkv
-    # One pass over q and k together (no gradient flows to the tables, as in _rotate).
+    # One pass over q and k together.
     rotary_dim = _check_tables(cos, sin, qkv.shape[-1])
-    cos = cos.detach() if cos.requires_grad else cos
-    sin = sin.detach() if sin.requires_grad else sin
+    cos, sin = _without_grad(cos), _without_grad(sin)
     cos_t, sin_t, positions = _positions_and_tables(q, cos, sin, seqlen_offsets, None, None)
     ops.rope_(q, k, cos_t, sin_t, positions=positions,
               rotation="interleave" if interleaved else "half", rotary_dim=rotary_dim,

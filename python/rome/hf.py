@@ -15,10 +15,11 @@
   forms (OLMo, ModernBERT, Cohere, Ernie), the interleaved ones (GPT-J, Cohere, GLM, Helium,
   DeepSeek-V4's trailing rope lanes), MLA's de-interleave, complex frequencies, vision towers,
   single-tensor (Gemma-3n/4), q/k/v (CLVP), prefix tokens (DINOv3) and the rest; see
-  rome/_hf_forms.py and OTHER_FUNCTIONS_NOT_SERVED for the functions under other names. :func:`patch_model` also replaces the forward of the model's Llama-style
-  rotary embedding modules (``inv_freq`` + ``attention_scaling``: rope types default, linear,
-  dynamic, yarn, longrope, llama3 and every other type whose module computes ``cos/sin(position ×
-  inv_freq) · attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
+  rome/_hf_forms.py and OTHER_FUNCTIONS_NOT_SERVED for the functions under other names.
+  :func:`patch_model` also replaces the forward of the model's Llama-style rotary embedding
+  modules (``inv_freq`` + ``attention_scaling``: rope types default, linear, dynamic, yarn,
+  longrope, llama3 and every other type whose module computes ``cos/sin(position × inv_freq) ·
+  attention_scaling``) by RoME's exact table builder (:func:`rome.tables.cos_sin`):
   the module's ``inv_freq`` values taken exactly, the angle without fp32 rounding, cos/sin within
   2 fp32 ulp at any position; dynamic / longrope updates of ``inv_freq`` still run first. MRoPE
   rotary modules (Qwen2-VL and Qwen2.5-VL sections, Qwen3-VL's interleave) get the same builder on
@@ -87,7 +88,6 @@ def _eager(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 def _out_dtype(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.dtype:
     # x * cos + rotate_half(x) * sin: the promoted dtype of the three (tensors of any rank > 0).
     return torch.promote_types(torch.promote_types(x.dtype, cos.dtype), sin.dtype)
-
 
 
 def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
