@@ -150,8 +150,7 @@ Tensor alloc_like(const Tensor& t) {
 // ----------------------------------------------------------------------------------------------
 // Rotations, cached: building one analyses the matrices and builds per-ISA permute plans.
 
-// A meta matrix has no values: the identity stands in (the Meta kernels check shapes only).
-static std::vector<float> matrix_values(const Tensor& m, const std::string& name, int64_t rd) {
+static void check_matrix(const Tensor& m, const std::string& name, int64_t rd) {
   if (!m.is_meta()) check_cpu(m, name.c_str());
   float_dtype(m, name.c_str());
   if (m.dim() != 2 || m.size(0) != rd || m.size(1) != rd)
@@ -159,6 +158,10 @@ static std::vector<float> matrix_values(const Tensor& m, const std::string& name
                "a [" + std::to_string(rd) + ", " + std::to_string(rd) +
                    "] matrix (rotary_dim x rotary_dim)",
                shape_of(m));
+}
+
+// A meta matrix has no values: the identity stands in (the Meta kernels check shapes only).
+static std::vector<float> matrix_values(const Tensor& m, int64_t rd) {
   if (m.is_meta()) {
     std::vector<float> identity(std::size_t(rd * rd), 0.0f);
     for (int64_t i = 0; i < rd; ++i) identity[std::size_t(i * rd + i)] = 1.0f;
@@ -171,12 +174,45 @@ static std::vector<float> matrix_values(const Tensor& m, const std::string& name
 
 namespace {
 
+// A matrix as given: its dtype, strides and the bytes of its values, when they fill one block of
+// memory (row- or column-major: a QR factor is column-major). A call that passes the same values
+// the same way again is matched by comparing these in place, without converting or copying the
+// matrix: a [128, 128] bf16 matrix compares 32 KiB, where the copy, conversion and comparison of
+// its float values took most of a decode call's time.
+struct MatrixBytes {
+  at::ScalarType dtype = at::kFloat;
+  std::vector<int64_t> strides;
+  std::vector<unsigned char> bytes;  // empty: not one dense block (compare the float values)
+};
+
+bool one_block(const Tensor& m) {
+  return !m.is_meta() && m.is_non_overlapping_and_dense();
+}
+
+MatrixBytes bytes_of(const Tensor& m) {
+  MatrixBytes out;
+  out.dtype = m.scalar_type();
+  if (!one_block(m)) return out;
+  out.strides.assign(m.strides().begin(), m.strides().end());
+  const auto* p = static_cast<const unsigned char*>(m.data_ptr());
+  out.bytes.assign(p, p + m.numel() * m.element_size());
+  return out;
+}
+
+bool same_bytes(const MatrixBytes& cached, const Tensor& m) {
+  return !cached.bytes.empty() && one_block(m) && m.scalar_type() == cached.dtype &&
+         std::size_t(m.numel() * m.element_size()) == cached.bytes.size() &&
+         m.strides().equals(cached.strides) &&
+         std::memcmp(m.data_ptr(), cached.bytes.data(), cached.bytes.size()) == 0;
+}
+
 struct CacheEntry {
   std::string kind;
   std::vector<int64_t> blocks;
   int64_t rotary_dim = 0, head_dim = 0, lane_offset = 0;
   bool has_a = false;
   std::vector<float> a, b;
+  MatrixBytes a_bytes, b_bytes;
   std::optional<rome::Rotation> rotation;
 };
 
@@ -229,8 +265,8 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
       rome::fail(rome::Status::invalid_argument, "blocks",
                  "no blocks for rotation '" + kind + "' (the matrix carries its structure)",
                  std::to_string(blocks.size()) + " blocks");
-    b = matrix_values(*mat_b, mat_b_name, rd);
-    if (has_a) a = matrix_values(*mat_a, "mat_a", rd);
+    check_matrix(*mat_b, mat_b_name, rd);
+    if (has_a) check_matrix(*mat_a, "mat_a", rd);
   } else {
     if (has_a || has_b)
       rome::fail(rome::Status::invalid_argument, has_b ? "mat_b" : "mat_a",
@@ -261,13 +297,25 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
     }
   }
   const bool cacheable = !dense || rd <= kMaxCachedDenseDim;
-  if (cacheable) {
+  auto same_shape = [&](const CacheEntry& e) {
+    return e.kind == kind && e.rotary_dim == rd && e.head_dim == head_dim &&
+           e.lane_offset == lane_offset && e.blocks == blocks && e.has_a == has_a;
+  };
+  if (cacheable && dense) {  // the matrices as given, compared in place
     std::lock_guard<std::mutex> lock(cache_mutex);
     for (auto it = cache.rbegin(); it != cache.rend(); ++it)
-      if (it->kind == kind && it->rotary_dim == rd && it->head_dim == head_dim &&
-          it->lane_offset == lane_offset && it->blocks == blocks && it->has_a == has_a &&
-          it->a == a && it->b == b)
+      if (same_shape(*it) && same_bytes(it->b_bytes, *mat_b) &&
+          (!has_a || same_bytes(it->a_bytes, *mat_a)))
         return *it->rotation;
+  }
+  if (dense) {
+    b = matrix_values(*mat_b, rd);
+    if (has_a) a = matrix_values(*mat_a, rd);
+  }
+  if (cacheable) {  // the same values given another way (dtype, strides)
+    std::lock_guard<std::mutex> lock(cache_mutex);
+    for (auto it = cache.rbegin(); it != cache.rend(); ++it)
+      if (same_shape(*it) && it->a == a && it->b == b) return *it->rotation;
   }
   rome::Rotation rotation = [&] {
     if (dense) {
@@ -285,7 +333,8 @@ rome::Rotation build_rotation(const std::string& kind, const std::vector<int64_t
     std::lock_guard<std::mutex> lock(cache_mutex);
     if (cache.size() >= kCacheEntries) cache.erase(cache.begin());
     cache.push_back(CacheEntry{kind, blocks, rd, head_dim, lane_offset, has_a, std::move(a),
-                               std::move(b), rotation});
+                               std::move(b), has_a ? bytes_of(*mat_a) : MatrixBytes{},
+                               dense ? bytes_of(*mat_b) : MatrixBytes{}, rotation});
   }
   return rotation;
 }

@@ -638,3 +638,32 @@ def test_cache_tables_have_no_gradient():
     cos, sin, positions = make_tables("pos_S")
     with pytest.raises(NotImplementedError, match="cache"):
         rome.rope(torch.randn(B, N, S, D), None, cos.requires_grad_(), sin, positions=positions)
+
+
+def test_dense_rotation_cache_follows_the_matrix_values():
+    """Rotations are cached by the matrices' values (compared in place when the matrix is
+    contiguous): a matrix changed in place between calls, the same values in another dtype or
+    layout, and a transposed view each give the rotation of their current values."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(2, 3, 5, 16, generator=g)
+    cos, sin = torch.randn(5, 16, generator=g), torch.randn(5, 16, generator=g)
+    m = torch.randn(16, 16, generator=g)
+
+    def reference(mat):
+        return x * cos + (x @ mat.float()) * sin
+
+    first = torch.ops.rome.rope_matrix.default(x, m, sin, cos)
+    torch.testing.assert_close(first, reference(m))
+    m.mul_(-0.5)  # same tensor, same data pointer, new values
+    torch.testing.assert_close(torch.ops.rome.rope_matrix.default(x, m, sin, cos), reference(m))
+    m[3, 7] = 2.0
+    torch.testing.assert_close(torch.ops.rome.rope_matrix.default(x, m, sin, cos), reference(m))
+    for other in (m.half(), m.t().contiguous().t(), m.t()):
+        torch.testing.assert_close(torch.ops.rome.rope_matrix.default(x, other, sin, cos),
+                                   reference(other))
+    # Column-major (as torch.linalg.qr returns Q), then changed in place.
+    col = torch.randn(16, 16, generator=g).t()
+    for _ in range(2):
+        torch.testing.assert_close(torch.ops.rome.rope_matrix.default(x, col, sin, cos),
+                                   reference(col))
+        col.add_(1.0)
