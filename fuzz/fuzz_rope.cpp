@@ -44,6 +44,7 @@
 #include <vector>
 
 #include "core/convert.hpp"
+#include "core/dispatch.hpp"
 #include "rome/rome.hpp"
 
 using namespace rome;
@@ -1486,6 +1487,80 @@ void check_backward(const Case& c, const World& w0, const World& got) {
         bug("backward wrote outside its outputs at " + where(c, a, i64(b)));
 }
 
+// The AVX512-BF16 dot-product kernel (avx512_kernels(.., true)) multiplies bf16 x by a dense
+// rotation whose entries are all exact in bf16. It reads subnormal x as zero, flushes subnormal
+// products and partial sums, and adds each pair in another order than the FMA kernels: held to an
+// error bound around the FMA kernel's bits (test_dense_bf16_dot.cpp checks it against fp64), not
+// to them. The bit comparisons of run_one run on the FMA kernels of the same ISA.
+bool bf16_dot_exact(float v) {
+  std::uint32_t bits;
+  std::memcpy(&bits, &v, 4);
+  return (bits & 0xffffu) == 0 && ((bits & 0x7f800000u) != 0 || (bits & 0x7fffffffu) == 0);
+}
+
+bool takes_bf16_dots(const Case& c) {
+  if (active_isa() != Isa::avx512 || !detail::cpu_features().fast_bf16_dot || c.op == 2 ||
+      !c.rot || c.rot->kind() != Rotation::Kind::dense)
+    return false;
+  if (c.t[Q_IN].dtype != DType::bf16 && (c.op != 1 || c.t[K_IN].dtype != DType::bf16))
+    return false;
+  return std::all_of(c.A.begin(), c.A.end(), bf16_dot_exact) &&
+         std::all_of(c.B.begin(), c.B.end(), bf16_dot_exact);
+}
+
+// `dots` (the dot-product kernel's result) against `fma` (the FMA kernel's) for every rotated
+// bf16 output element: within twice the fp32 summation bound of Σ|x||M||table|, the flushed
+// subnormals (at most 2^-126 per product, input and partial sum) and one bf16 rounding each. The
+// element is then given the FMA kernel's bytes, so that the caller can compare the rest exactly.
+void check_bf16_dots(const Case& c, const World& w0, World& dots, const World& fma) {
+  const i64 rd = c.rd;
+  std::vector<float> cs(std::max<i64>(rd, 1)), sn(std::max<i64>(rd, 1)), x(std::max<i64>(c.hd, 1));
+  for (const auto [in_slot, out_slot] : {std::pair{Q_IN, Q_OUT}, std::pair{K_IN, K_OUT}}) {
+    const TensorDesc &in = c.t[in_slot], &out = c.t[out_slot];
+    if (out_slot == K_OUT && c.op != 1) continue;
+    if (!in.used || !out.used || in.dtype != DType::bf16 || out.dtype != DType::bf16) continue;
+    const int axes = in.rank - 1;
+    i64 full[kMaxRank] = {};
+    for_each_index(axes, in.shape, [&](const i64* idx) {
+      table_row(c, w0, idx, axes, cs.data(), sn.data());
+      std::copy(idx, idx + axes, full);
+      for (i64 i = 0; i < c.hd; ++i) {
+        full[axes] = i;
+        x[i] = load_f(in.dtype, w0[in.arena].data() + elem_offset(in, full));
+      }
+      for (i64 j = 0; j < rd; ++j) {
+        double mag = 0, max_a = 0, max_b = 0;
+        for (i64 i = 0; i < rd; ++i) {
+          const double a = std::fabs(c.A[i * rd + j]), b = std::fabs(c.B[i * rd + j]);
+          mag += std::fabs(double(x[i])) * (a * std::fabs(cs[j]) + b * std::fabs(sn[j]));
+          max_a = std::max(max_a, a), max_b = std::max(max_b, b);
+        }
+        full[axes] = j;
+        const i64 at = elem_offset(out, full);
+        std::uint8_t* got_bytes = dots[out.arena].data() + at;
+        const std::uint8_t* want_bytes = fma[out.arena].data() + at;
+        if (std::memcmp(got_bytes, want_bytes, 2) == 0) continue;
+        const double got = load_f(DType::bf16, got_bytes), want = load_f(DType::bf16, want_bytes);
+        bool close;
+        if (!std::isfinite(mag) || mag > 0x1p120) {
+          close = std::isnan(got) == std::isnan(want);  // near or past fp32 overflow
+        } else {
+          const double flush = 0x1p-126 * double(rd) *
+                               ((c.a_identity ? 0.0 : 2.0 + max_a) * std::fabs(cs[j]) +
+                                (2.0 + max_b) * std::fabs(sn[j]));
+          const double tol = 2.0 * double(rd + 2) * 0x1p-24 * mag + flush +
+                             0x1p-7 * std::max(std::fabs(got), std::fabs(want)) + 0x1p-133;
+          close = std::fabs(got - want) <= tol;
+        }
+        if (!close)
+          bug("the AVX512-BF16 dot kernel is outside its error bound at " +
+              where(c, out.arena, at, &dots, &fma));
+        std::memcpy(got_bytes, want_bytes, 2);
+      }
+    });
+  }
+}
+
 // ------------------------------------------------------------------------------------------
 
 void run_one(const std::uint8_t* data, std::size_t size) {
@@ -1512,8 +1587,26 @@ void run_one(const std::uint8_t* data, std::size_t size) {
   World tiles = w0;
   const Outcome on_tiles = tile_products ? call(c, tiles, c.num_threads) : Outcome{};
   if (tile_products) set_max_isa(Isa::avx512);
+  const bool bf16_dots = takes_bf16_dots(c);
+  World dots = w0;
+  const Outcome on_dots = bf16_dots ? call(c, dots, c.num_threads) : Outcome{};
+  if (bf16_dots)
+    detail::override_kernels_for_testing(
+        &kernels::avx512_kernels(detail::cpu_features().avx512_bf16, /*bf16_dot=*/false));
   World w1 = w0;
   const Outcome o = call(c, w1, c.num_threads);
+  detail::override_kernels_for_testing(nullptr);
+  if (bf16_dots) {
+    if (on_dots.ok != o.ok)
+      bug("the AVX512-BF16 dot kernel and the FMA kernel disagree on whether the call is valid");
+    if (o.ok) {
+      check_bf16_dots(c, w0, dots, w1);
+      compare_worlds(c, dots, w1, "the AVX512-BF16 dot kernel wrote outside its outputs");
+    } else {
+      compare_worlds(c, dots, w0,
+                     ("dot kernel: write before throwing '" + on_dots.message + "'").c_str());
+    }
+  }
   if (tile_products) {
     set_max_isa(Isa::amx);
     if (on_tiles.ok != o.ok) bug("the tile path and avx512 disagree on whether the call is valid");
