@@ -1499,11 +1499,10 @@ bool bf16_dot_exact(float v) {
 }
 
 bool takes_bf16_dots(const Case& c) {
-  if (active_isa() != Isa::avx512 || !detail::cpu_features().fast_bf16_dot || c.op == 2 ||
-      !c.rot || c.rot->kind() != Rotation::Kind::dense)
+  if (active_isa() != Isa::avx512 || !detail::cpu_features().fast_bf16_dot || c.op == 2 || !c.rot ||
+      c.rot->kind() != Rotation::Kind::dense)
     return false;
-  if (c.t[Q_IN].dtype != DType::bf16 && (c.op != 1 || c.t[K_IN].dtype != DType::bf16))
-    return false;
+  if (c.t[Q_IN].dtype != DType::bf16 && (c.op != 1 || c.t[K_IN].dtype != DType::bf16)) return false;
   return std::all_of(c.A.begin(), c.A.end(), bf16_dot_exact) &&
          std::all_of(c.B.begin(), c.B.end(), bf16_dot_exact);
 }

@@ -32,7 +32,8 @@ decltype(auto) guarded(F&& f) {
 
 // The core names its operands q, q_out, k, k_out, cos, sin; an op whose arguments are called
 // otherwise (x, query, key, cos_sin_cache) or that passes q as its own output (in place) maps
-// the names back, so every message names an argument of the op the user called.
+// each role to its own argument, so every message names an argument of the op the user called
+// ("q.dtype" -> "x.dtype"; a whole name such as "tables.frequencies" -> "inv_freq").
 using Renames = std::initializer_list<std::pair<const char*, const char*>>;
 
 template <typename F>
@@ -43,14 +44,8 @@ decltype(auto) guarded(Renames renames, F&& f) {
     const std::string& arg = e.argument();
     const std::string base = arg.substr(0, arg.find('.')), suffix = arg.substr(base.size());
     for (const auto& [from, to] : renames) {
-      const bool whole = arg == from;  // "tables.frequencies" -> "inv_freq"
-      if (!whole && base != from) continue;
-      const std::string old_prefix = "rome: " + arg,
-                        renamed = std::string(to) + (whole ? std::string() : suffix);
-      std::string message = e.what();
-      if (message.rfind(old_prefix, 0) == 0)
-        message = "rome: " + renamed + message.substr(old_prefix.size());
-      rethrow(rome::Error(e.status(), renamed, message));
+      if (arg == from) rethrow(e.about(to));
+      if (base == from) rethrow(e.about(to + suffix));
     }
     rethrow(e);
   }

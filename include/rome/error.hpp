@@ -3,6 +3,7 @@
 
 #include <stdexcept>
 #include <string>
+#include <utility>
 
 namespace rome {
 
@@ -21,17 +22,26 @@ const char* status_name(Status status) noexcept;
 //   "rome: cos: expected a shape broadcastable to [2, 8, 16, 64], got [3, 16, 64]"
 class Error : public std::runtime_error {
  public:
-  Error(Status status, std::string argument, const std::string& message);
+  // The message is "rome: <argument>: expected <expected>, got <given>".
+  Error(Status status, std::string argument, std::string expected, std::string given);
 
   Status status() const noexcept { return status_; }
   const std::string& argument() const noexcept { return argument_; }
+  const std::string& expected() const noexcept { return expected_; }
+  const std::string& given() const noexcept { return given_; }
+
+  // The same error about an argument of another name (a binding whose arguments are called
+  // otherwise than the core's operands): the message is formed anew from its parts.
+  Error about(std::string argument) const {
+    return Error(status_, std::move(argument), expected_, given_);
+  }
 
  private:
   Status status_;
-  std::string argument_;
+  std::string argument_, expected_, given_;
 };
 
-// Throws Error(status, argument, "rome: <argument>: expected <expected>, got <given>").
+// Throws Error(status, argument, expected, given).
 [[noreturn]] void fail(Status status, const std::string& argument, const std::string& expected,
                        const std::string& given);
 

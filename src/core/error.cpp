@@ -1,5 +1,7 @@
 #include "rome/error.hpp"
 
+#include <utility>
+
 namespace rome {
 
 const char* status_name(Status status) noexcept {
@@ -13,12 +15,16 @@ const char* status_name(Status status) noexcept {
   return "unknown";
 }
 
-Error::Error(Status status, std::string argument, const std::string& message)
-    : std::runtime_error(message), status_(status), argument_(std::move(argument)) {}
+Error::Error(Status status, std::string argument, std::string expected, std::string given)
+    : std::runtime_error("rome: " + argument + ": expected " + expected + ", got " + given),
+      status_(status),
+      argument_(std::move(argument)),
+      expected_(std::move(expected)),
+      given_(std::move(given)) {}
 
 void fail(Status status, const std::string& argument, const std::string& expected,
           const std::string& given) {
-  throw Error(status, argument, "rome: " + argument + ": expected " + expected + ", got " + given);
+  throw Error(status, argument, expected, given);
 }
 
 }  // namespace rome

@@ -128,6 +128,23 @@ TEST(Validation, ValidCallSucceeds) {
   c.t = c.tables.view();
   EXPECT_NO_THROW(c.check_without_data());
 }
+// A binding names the core's operands after its own arguments: the message is formed again from
+// the error's parts, with status, expected and given kept.
+TEST(Validation, ErrorAboutAnotherArgumentKeepsItsParts) {
+  try {
+    fail(Status::out_of_range, "q.dtype", "bfloat16, float16 or float32", "int32");
+  } catch (const Error& e) {
+    EXPECT_STREQ(e.what(), "rome: q.dtype: expected bfloat16, float16 or float32, got int32");
+    const Error renamed = e.about("x.dtype");
+    EXPECT_EQ(renamed.status(), Status::out_of_range);
+    EXPECT_EQ(renamed.argument(), "x.dtype");
+    EXPECT_EQ(renamed.expected(), e.expected());
+    EXPECT_EQ(renamed.given(), "int32");
+    EXPECT_STREQ(renamed.what(), "rome: x.dtype: expected bfloat16, float16 or float32, got int32");
+    return;
+  }
+  FAIL() << "fail() did not throw";
+}
 TEST(Validation, RankTooSmall) {
   Call c;
   c.x_view.rank = 1;
