@@ -128,9 +128,7 @@ def apply_rotary_emb(
             raise ValueError(
                 f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
         cos, sin = freqs_cis  # [S, D]
-        d = x.shape[-1] if x.dim() else 0
-        if (cos.dim() != 2 or not _kernel_ok(x, cos, sin, d)
-                or cos.device.type != "cpu" or sin.device.type != "cpu"):
+        if x.dim() != 4 or cos.dim() != 2:  # the layouts diffusers' broadcast gives meaning to
             return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         # [S, D] tables broadcast to [B, H, S, D] as they are; [B, S, H, D] takes them as
         # [S, 1, D]. (Each view op costs about a microsecond in eager mode: a decode step.)
@@ -138,26 +136,45 @@ def apply_rotary_emb(
             cos_b, sin_b, lead = cos, sin, (1, 1, cos.shape[0])
         else:
             cos_b, sin_b, lead = cos[:, None], sin[:, None], (1, cos.shape[0], 1)
-        if not _broadcasts_to(lead, x.shape[:-1]):
-            return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         rotation = "interleave" if use_real_unbind_dim == -1 else "half"
+        if not torch.compiler.is_compiling():
+            # Eager: the kernel's own checks decide (they run before anything is computed);
+            # diffusers' formula takes what they refuse.
+            try:
+                return torch.ops.rome.rope.default(x, None, cos_b, sin_b, None, rotation, [], -1,
+                                                   "full", [], None, None)[0]
+            except (ValueError, IndexError, NotImplementedError):
+                return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        # Traced: a refusal would raise while tracing, where nothing falls back; these checks
+        # mirror the kernel's for what diffusers passes.
+        if (not _kernel_ok(x, cos, sin, x.shape[-1]) or cos.device.type != "cpu"
+                or sin.device.type != "cpu" or not _broadcasts_to(lead, x.shape[:-1])):
+            return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         return torch.ops.rome.rope.default(x, None, cos_b, sin_b, None, rotation, [], -1, "full",
                                            [], None, None)[0]
 
-    # Complex frequencies (Lumina): freqs_cis.unsqueeze(2) multiplies x's (real, imag) pairs.
+    # Complex frequencies (Lumina): freqs_cis.unsqueeze(2) multiplies x's (real, imag) pairs,
+    # in fp32 for complex64 (complex128 runs diffusers' math, as do gradients of freqs_cis).
     if (not torch.is_tensor(freqs_cis) or freqs_cis.dtype != torch.complex64
-            or freqs_cis.device.type != "cpu" or x.device.type != "cpu"
-            or x.dtype not in _KERNEL_DTYPES or x.dim() != 4 or x.shape[-1] % 2
-            or freqs_cis.dim() < 2):
+            or freqs_cis.device.type != "cpu" or x.device.type != "cpu" or x.dim() != 4
+            or freqs_cis.dim() < 2 or (torch.is_grad_enabled() and freqs_cis.requires_grad)):
         return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
-    freqs_shape = (*freqs_cis.shape[:2], 1, *freqs_cis.shape[2:])  # without building the view
-    if (freqs_shape[-1] != x.shape[-1] // 2
-            or not _broadcasts_to(freqs_shape[:-1], x.shape[:-1])
-            or (torch.is_grad_enabled() and freqs_cis.requires_grad)):
-        return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+    if torch.compiler.is_compiling():
+        # Traced: the kernel's checks, mirrored (a refusal would raise while tracing).
+        freqs_shape = (*freqs_cis.shape[:2], 1, *freqs_cis.shape[2:])  # without the view
+        if (x.dtype not in _KERNEL_DTYPES or x.shape[-1] % 2
+                or freqs_shape[-1] != x.shape[-1] // 2
+                or not _broadcasts_to(freqs_shape[:-1], x.shape[:-1])):
+            return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        cos, sin = _real_imag(freqs_cis, 2)
+        return torch.ops.rome.rope.default(x, None, cos, sin, None, "interleave", [], -1,
+                                           "pairs", [], None, None)[0]
     cos, sin = _real_imag(freqs_cis, 2)  # strided views: the kernel reads their columns
-    return torch.ops.rome.rope.default(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
-                                       None, None)[0]
+    try:  # eager: the kernel's checks decide
+        return torch.ops.rome.rope.default(x, None, cos, sin, None, "interleave", [], -1,
+                                           "pairs", [], None, None)[0]
+    except (ValueError, IndexError, NotImplementedError):
+        return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
 
 def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,

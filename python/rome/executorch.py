@@ -81,20 +81,43 @@ def apply_rotary_emb(
     cos = _freqs_view(freqs_cos, xq)
     sin = _freqs_view(freqs_sin, xq)
 
+    def kernel(x, k=None):
+        return ops.rope(x, k, cos, sin, rotation="interleave", table_width="pairs")
+
+    if not torch.compiler.is_compiling():
+        # Eager: the kernel's checks decide (before anything is computed); ExecuTorch's formula
+        # takes what they refuse.
+        refused = (ValueError, IndexError, NotImplementedError)
+
+        def one(x):
+            if x.dim() != 4:
+                return _pairs_reference(x, cos, sin)
+            try:
+                return kernel(x)[0]
+            except refused:
+                return _pairs_reference(x, cos, sin)
+
+        if xq.dtype == xk.dtype and xq.dim() == 4 and xk.dim() == 4:
+            try:
+                return kernel(xq, xk)
+            except refused:
+                pass
+        return one(xq), one(xk)
+
+    # Traced: a refusal would raise while tracing, where nothing falls back; these checks mirror
+    # the kernel's for what ExecuTorch passes.
     def ok(x):
         return (x.device.type == "cpu" and cos.device.type == "cpu" and sin.device.type == "cpu"
                 and x.dim() == 4 and x.dtype in _KERNEL_DTYPES and cos.dtype in _KERNEL_DTYPES
                 and sin.dtype in _KERNEL_DTYPES and x.shape[-1] % 2 == 0
                 and ops._broadcasts_to(cos.shape[:-1], x.shape[:-1]))
 
-    def one(x):
-        if not ok(x):
-            return _pairs_reference(x, cos, sin)
-        return ops.rope(x, None, cos, sin, rotation="interleave", table_width="pairs")[0]
+    def traced_one(x):
+        return kernel(x)[0] if ok(x) else _pairs_reference(x, cos, sin)
 
     if ok(xq) and ok(xk) and xq.dtype == xk.dtype:
-        return ops.rope(xq, xk, cos, sin, rotation="interleave", table_width="pairs")
-    return one(xq), one(xk)
+        return kernel(xq, xk)
+    return traced_one(xq), traced_one(xk)
 
 
 def hf_apply_rotary_emb(q, k, cos, sin, position_ids=None, unsqueeze_dim=1):

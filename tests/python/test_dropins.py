@@ -942,3 +942,76 @@ def test_hf_falls_back_where_the_kernel_refuses(case):
         want = formula(x, cos, sin)
         assert got.dtype == want.dtype and got.shape == want.shape
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# Traced: in eager mode the drop-ins ask the kernel (its refusal falls back); under torch.compile a
+# refusal would raise while tracing, so the drop-ins decide with checks that mirror the kernel's.
+
+
+def _rome_ops_in(fn, *args):
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        fn(*args)
+    return any(e.key.startswith("rome::") for e in prof.key_averages())
+
+
+@pytest.mark.parametrize("dropin, case", [
+    (dropin, case) for dropin in ("hf", "diffusers_real", "diffusers_complex", "executorch")
+    for case in ("kernel", "float64_tables", "tables_grow_q")
+    # ExecuTorch's tables are [S, D/2] or [S, H, D/2] exactly: none grows q.
+    if (dropin, case) != ("executorch", "tables_grow_q")])
+def test_dropins_traced_decide_as_eager(dropin, case, monkeypatch):
+    """Compiled (fullgraph, aot_eager) and eager calls of a drop-in give the same results and take
+    the kernel on the same inputs: the traced checks agree with the kernel's own."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(1, 4, 6, 16, generator=g).bfloat16()
+    k = torch.randn(1, 2, 6, 16, generator=g).bfloat16()
+    angle = torch.rand(2 if case == "tables_grow_q" else 1, 6, 8, generator=g) * 5
+    if dropin == "hf":
+        cos = torch.cat([angle.cos()] * 2, -1)
+        sin = torch.cat([angle.sin()] * 2, -1)
+        if case == "float64_tables":
+            cos, sin = cos.double(), sin.double()
+        fn, args = rome.hf.apply_rotary_pos_emb, (x, k, cos, sin)
+    elif dropin == "diffusers_real":
+        cos = angle.cos().repeat_interleave(2, -1)
+        sin = angle.sin().repeat_interleave(2, -1)
+        if case == "tables_grow_q":  # [S, D] tables of another length: diffusers raises too
+            cos, sin = cos[:, :4].flatten(0, 1), sin[:, :4].flatten(0, 1)
+        else:
+            cos, sin = cos[0], sin[0]
+        if case == "float64_tables":
+            cos, sin = cos.double(), sin.double()
+        fn, args = rome.diffusers.apply_rotary_emb, (x, (cos, sin))
+    elif dropin == "executorch":
+        cos, sin = angle[0].cos(), angle[0].sin()  # [S, D/2]
+        if case == "float64_tables":
+            cos, sin = cos.double(), sin.double()
+        fn, args = rome.executorch.apply_rotary_emb, (x.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    else:
+        freqs = torch.polar(torch.ones_like(angle), angle)
+        if case == "float64_tables":
+            freqs = freqs.to(torch.complex128)
+        x = x.transpose(1, 2).contiguous()  # [B, S, H, D]
+        fn, args = (lambda x, f: rome.diffusers.apply_rotary_emb(x, f, use_real=False)), (x, freqs)
+    try:
+        eager = fn(*args)
+    except RuntimeError:  # the library's own math refuses these shapes too
+        assert case == "tables_grow_q" and dropin == "diffusers_real"
+        return
+    torch._dynamo.reset()
+    traced = torch.compile(fn, fullgraph=True, backend="aot_eager")(*args)
+    for e, t in zip(eager if isinstance(eager, tuple) else (eager,),
+                    traced if isinstance(traced, tuple) else (traced,)):
+        torch.testing.assert_close(t, e, rtol=0, atol=0)
+    takes_kernel = case == "kernel"
+    module, name = {"hf": (rome.hf, "_eager"), "executorch": (rome.executorch, "_pairs_reference")
+                    }.get(dropin, (rome.diffusers, "_reference"))
+    fallbacks, original = [], getattr(module, name)
+    monkeypatch.setattr(module, name, lambda *a: fallbacks.append(1) or original(*a))
+    fn(*args)
+    assert bool(fallbacks) != takes_kernel
+    monkeypatch.setattr(module, name, original)
+    torch._dynamo.reset()
+    assert _rome_ops_in(torch.compile(fn, fullgraph=True, backend="aot_eager"), *args) == \
+        takes_kernel
