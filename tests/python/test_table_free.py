@@ -233,18 +233,27 @@ def test_cos_sin_in_other_dtypes_is_the_fp32_result_rounded(isa, dtype):
 
 
 def test_autograd_is_the_transposed_rotation(isa):
-    for rotation in ("half", "interleave", "interleave_half"):
-        x = torch.randn(2, 3, 5, 32, requires_grad=True)
-        g = torch.randn(2, 3, 5, 32)
+    # q and k (GQA: fewer heads) together, also with blocks (quarter: two halves; a 3-axis split)
+    # and a partial rotation.
+    cases = [("half", [], -1), ("interleave", [], -1), ("interleave_half", [], -1),
+             ("quarter", [], -1), ("half", [12, 12, 8], -1), ("half", [], 16)]
+    for rotation, blocks, rotary_dim in cases:
+        x = torch.randn(2, 4, 5, 32, requires_grad=True)
+        k = torch.randn(2, 2, 5, 32, requires_grad=True)
+        gx, gk = torch.randn(2, 4, 5, 32), torch.randn(2, 2, 5, 32)
         pos = torch.arange(5) * 999983
-        inv = llama_inv_freq(32)
-        y, _ = rome.ops.rope_from_positions(x, None, pos, inv, rotation=rotation, amplitude=0.75)
-        y.backward(g)
+        rd = 32 if rotary_dim < 0 else rotary_dim
+        inv = llama_inv_freq(rd) if not blocks else torch.cat([llama_inv_freq(b) for b in blocks])
+        y, yk = rome.ops.rope_from_positions(x, k, pos, inv, rotation=rotation, blocks=blocks,
+                                             rotary_dim=rotary_dim, amplitude=0.75)
+        torch.autograd.backward((y, yk), (gx, gk))
         # dx = g·Rᵀ: <y(x), g> is linear in x, so autograd of the fp64 reference gives it.
-        xd = x.detach().double().requires_grad_()
-        ref = reference(xd, pos.expand(2, 3, 5), inv, rotation, 32, amplitude=0.75)
-        ref.backward(g.double())
-        assert torch.allclose(x.grad.double(), xd.grad, atol=1e-6), rotation
+        for t, g in ((x, gx), (k, gk)):
+            td = t.detach().double().requires_grad_()
+            ref = reference(td, pos.expand(*t.shape[:3]), inv, rotation, rd, amplitude=0.75,
+                            blocks=blocks)
+            ref.backward(g.double())
+            assert torch.allclose(t.grad.double(), td.grad, atol=1e-6), (rotation, blocks, rd)
 
 
 def test_opcheck_and_compile(isa):
@@ -459,6 +468,42 @@ def test_hf_rotary_module_patched_is_exact(rope_parameters):
     assert "forward" not in rotary.__dict__
     cos2, _ = rotary(x, pid)
     assert torch.equal(cos2, cos0)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 32,
+     "long_factor": [1.0 + 0.25 * i for i in range(32)], "original_max_position_embeddings": 512},
+])
+def test_hf_rotary_module_patched_before_its_first_call_updates_as_unpatched(rope_parameters):
+    """Dynamic rope types change inv_freq (and attention_scaling) with the sequence length: a
+    module patched before it ever ran follows the same updates as an unpatched twin, call by call
+    (a long sequence, then a short one that goes back to the original frequencies), and its tables
+    are exact for the frequencies in use."""
+    torch.manual_seed(0)
+    patched_model = _rotary_module(rope_parameters)
+    torch.manual_seed(0)
+    twin = _rotary_module(rope_parameters).model.rotary_emb
+    rotary = patched_model.model.rotary_emb
+    x = torch.randn(1, 1, 128)
+    handle = rome.hf.patch_model(patched_model)
+    try:
+        assert handle.rotary_patched == ["model.rotary_emb"], handle.skipped
+        for pid in (torch.arange(9000)[None], torch.tensor([[0, 3, 200, 511]])):
+            before = rotary.inv_freq.clone()
+            cos, sin = rotary(x, pid)
+            twin(x, pid)
+            assert torch.equal(rotary.inv_freq, twin.inv_freq)
+            assert float(rotary.attention_scaling) == float(twin.attention_scaling)
+            if pid.shape[1] > 512:  # the long sequence changed the frequencies
+                assert not torch.equal(rotary.inv_freq, before)
+            inv = rotary.inv_freq.double()
+            angle = pid[0].double()[:, None] * torch.cat([inv, inv])[None]
+            scale = float(rotary.attention_scaling)
+            assert (cos[0].double() - angle.cos() * scale).abs().max() <= 3e-7 * max(scale, 1.0)
+            assert (sin[0].double() - angle.sin() * scale).abs().max() <= 3e-7 * max(scale, 1.0)
+    finally:
+        handle.undo()
 
 
 def test_hf_rotary_module_patched_frequencies_that_require_grad():
