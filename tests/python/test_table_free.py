@@ -382,6 +382,10 @@ def test_vllm_table_free_mode(isa, neox):
     q2, k2 = q.clone(), k.clone()
     layer.forward(pos, q2, k2)
     assert torch.equal(q2, yq) and torch.equal(k2, yk)
+    layer.forward(pos, q2, k2, inverse=True)
+    back = reference(yq.view(7, 4, 128), pos[:, None].expand(7, 4), inv, rotation, 64, inverse=True)
+    close(q2.view(7, 4, 128), back, torch.bfloat16)
+    assert (q2.float() - q.float()).abs().max() <= 0.05 * q.float().abs().max()
     # MLA: [T, H, D] with D > head_size rotates the last rotary_dim lanes only.
     mla = rome.vllm.RotaryEmbedding(64, 64, 4096, 10000.0, neox, torch.float32, table_free=True)
     x = torch.randn(5, 4, 192)
