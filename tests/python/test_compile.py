@@ -234,3 +234,42 @@ def test_compile_refuses_bad_shapes_while_tracing(op):
     assert f"rome: {name}: expected" in str(info.value)
     assert not graphs, "the error came from running the graph, not from tracing it"
     assert torch.equal(q, before)
+
+
+class TableFree(nn.Module):
+    def __init__(self, inv_freq):
+        super().__init__()
+        self.register_buffer("inv_freq", inv_freq)
+
+    def forward(self, q, k, positions):
+        qo, ko = rome.ops.rope_from_positions(q, k, positions, self.inv_freq, amplitude=1.5)
+        return qo - 1, ko
+
+
+class TableFreeInplace(TableFree):
+    def forward(self, q, k, positions):
+        rome.ops.rope_from_positions_(q, k, positions, self.inv_freq, rotation="interleave")
+        return q.sum()
+
+
+def test_compile_table_free_dynamic_and_in_place():
+    """Table-free RoPE under inductor (fullgraph): one node of the graph; with dynamic shapes
+    another sequence length reuses the graph; in place writes the caller's q and k."""
+    inv = 1.0 / 500000.0 ** (torch.arange(0, D, 2, dtype=torch.float64) / D)
+    module = TableFree(inv)
+    q, k = torch.randn(B, N, S, D).bfloat16(), torch.randn(B, 2, S, D).bfloat16()
+    positions = torch.arange(S) * 99991
+    assert_in_graph("rome.rope_from_positions", module, q, k, positions)
+    compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    for s in (S, S + 5):
+        q, k = torch.randn(B, N, s, D).bfloat16(), torch.randn(B, 2, s, D).bfloat16()
+        positions = torch.arange(s) * 99991
+        for got, want in zip(compiled(q, k, positions), module(q, k, positions)):
+            assert torch.equal(got, want)
+    inplace = TableFreeInplace(inv)
+    assert_in_graph("rome.rope_from_positions_", inplace, q.clone(), k.clone(), positions)
+    q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
+    got = torch.compile(inplace, fullgraph=True)(q1, k1, positions)
+    want = inplace(q2, k2, positions)
+    assert torch.equal(q1, q2) and torch.equal(k1, k2) and torch.equal(got, want)
+    assert not torch.equal(q1, q)
