@@ -5,6 +5,9 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
+#include <string>
+#include <utility>
 
 #include "rome/error.hpp"
 #include "thread_pool.hpp"
@@ -200,8 +203,61 @@ int l3_sharing_threads() noexcept {
   return 1;
 }
 
+std::int64_t sysfs_cache_bytes(const std::string& size) noexcept {
+  char* end = nullptr;
+  const long long value = std::strtoll(size.c_str(), &end, 10);
+  if (end == size.c_str() || value <= 0) return 0;
+  if (*end == 'K') return std::int64_t(value) << 10;
+  if (*end == 'M') return std::int64_t(value) << 20;
+  return *end == '\0' ? std::int64_t(value) : 0;
+}
+
+int cpu_list_count(const std::string& list) noexcept {
+  int count = 0;
+  const char* p = list.c_str();
+  while (*p) {
+    char* after = nullptr;
+    const long first = std::strtol(p, &after, 10);
+    if (after == p || first < 0) return 0;
+    long last = first;
+    if (*after == '-') {
+      const char* from = after + 1;
+      last = std::strtol(from, &after, 10);
+      if (after == from || last < first) return 0;
+    }
+    count += int(last - first + 1);
+    if (*after == '\0') break;
+    if (*after != ',') return 0;
+    p = after + 1;
+  }
+  return count;
+}
+
 namespace {
 std::atomic<const CacheSizes*> cache_sizes_override{nullptr};
+
+// Linux's own view of cpu0's last-level cache (/sys/devices/system/cpu/cpu0/cache/index*: level,
+// type, size, shared_cpu_list): its bytes and how many logical processors share it; {0, 0} where
+// absent. A VM can pass its host's CPUID through: sysconf (which reads CPUID) gave 320 MiB of L3
+// shared by 2 on a 2-vCPU Zen 4 VM whose sysfs lists 32 MiB.
+std::pair<std::int64_t, int> sysfs_l3() {
+  auto read_line = [](const std::string& path) {
+    std::ifstream file(path);
+    std::string line;
+    std::getline(file, line);
+    return line;
+  };
+  for (int index = 0; index < 16; ++index) {
+    const std::string base =
+        "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    const std::string level = read_line(base + "level");
+    if (level.empty()) break;
+    if (level != "3" || read_line(base + "type") == "Instruction") continue;
+    return {sysfs_cache_bytes(read_line(base + "size")),
+            cpu_list_count(read_line(base + "shared_cpu_list"))};
+  }
+  return {0, 0};
+}
 }  // namespace
 
 void override_cache_sizes_for_testing(const CacheSizes* sizes) noexcept {
@@ -223,6 +279,12 @@ const CacheSizes& cache_sizes() noexcept {
     read(_SC_LEVEL3_CACHE_SIZE, s.l3);
 #endif
     s.l3_per_thread = s.l3 / l3_sharing_threads();
+    // Where sysfs lists a smaller share, it is the one this machine has (see sysfs_l3).
+    const auto [sysfs_bytes, sysfs_sharing] = sysfs_l3();
+    if (sysfs_bytes > 0 && sysfs_sharing > 0 && sysfs_bytes / sysfs_sharing < s.l3_per_thread) {
+      s.l3 = sysfs_bytes;
+      s.l3_per_thread = sysfs_bytes / sysfs_sharing;
+    }
     return s;
   }();
   return sizes;

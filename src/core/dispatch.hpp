@@ -1,6 +1,8 @@
 // The one dispatch point: picks the kernel table of the active ISA.
 #pragma once
 
+#include <string>
+
 #include "../kernels/kernel_api.hpp"
 #include "rome/rope.hpp"
 
@@ -30,15 +32,21 @@ ForwardKernel forward_kernel(const Rotation& rotation, DType dtype) noexcept;
 
 // Data cache sizes in bytes (sysconf, which reads CPUID; typical values where it reports none).
 // l3_per_thread: l3 over the logical-processor IDs CPUID says share it (l3 where it says
-// nothing; on bare metal a power of two at least the thread count).
+// nothing; on bare metal a power of two at least the thread count), or Linux sysfs's L3 over the
+// CPUs of its shared_cpu_list where that share is smaller (then l3 is sysfs's too).
 struct CacheSizes {
   std::int64_t l1d, l2, l3, l3_per_thread;
 };
 const CacheSizes& cache_sizes() noexcept;
+// sysfs's cache "size" ("32768K", "32M", "512") in bytes, and the number of CPUs of a
+// "shared_cpu_list" ("0-1,4"); 0 for anything else.
+std::int64_t sysfs_cache_bytes(const std::string& size) noexcept;
+int cpu_list_count(const std::string& list) noexcept;
 // Whether `bytes` written once cannot stay in the last-level cache, so non-temporal stores pay:
-// glibc 2.26-2.37's rule for memmove (3/4 of one thread's share of the L3), so RoME streams about
-// where the copy floor does (a VM reports its host's whole L3, and outputs below that paid the
-// read-for-ownership of every line; BENCHMARKS.md).
+// glibc 2.26-2.37's rule for memmove (3/4 of one thread's share of the L3). The share is the
+// smaller of CPUID's and sysfs's (cache_sizes): on a VM whose CPUID reports its host's L3, outputs
+// of 12-120 MB were not streamed and paid the read-for-ownership of every line (BENCHMARKS.md,
+// twenty-seventh session).
 bool outgrows_cache_share(std::int64_t bytes) noexcept;
 // Orders non-temporal stores (KernelTable::stream_copy) before whatever publishes them (a pool's
 // join).

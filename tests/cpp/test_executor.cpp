@@ -8,6 +8,8 @@
 
 #include <atomic>
 #include <cmath>
+#include <cstdio>
+#include <fstream>
 #include <random>
 #include <span>
 #include <thread>
@@ -21,6 +23,43 @@
 
 namespace rome::testing {
 namespace {
+
+// The last-level cache share that decides streaming (outgrows_cache_share) comes from sysconf
+// (CPUID) unless sysfs lists a smaller one: a VM may report its host's L3.
+TEST(CacheSizes, SysfsSizesAndCpuListsParse) {
+  EXPECT_EQ(detail::sysfs_cache_bytes("32768K"), std::int64_t(32) << 20);
+  EXPECT_EQ(detail::sysfs_cache_bytes("32M"), std::int64_t(32) << 20);
+  EXPECT_EQ(detail::sysfs_cache_bytes("512"), 512);
+  for (const char* bad : {"", "K", "-4K", "12X", "0K"})
+    EXPECT_EQ(detail::sysfs_cache_bytes(bad), 0) << bad;
+  EXPECT_EQ(detail::cpu_list_count("0"), 1);
+  EXPECT_EQ(detail::cpu_list_count("0-1"), 2);
+  EXPECT_EQ(detail::cpu_list_count("0-3,8-11,16"), 9);
+  for (const char* bad : {"", "a", "3-1", "0-", "0;1", "-1"})
+    EXPECT_EQ(detail::cpu_list_count(bad), 0) << bad;
+}
+
+TEST(CacheSizes, L3ShareIsNoLargerThanSysfsLists) {
+  const detail::CacheSizes& sizes = detail::cache_sizes();
+  EXPECT_GT(sizes.l3_per_thread, 0);
+  EXPECT_LE(sizes.l3_per_thread, sizes.l3);
+  for (int index = 0; index < 16; ++index) {
+    const std::string base =
+        "/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(index) + "/";
+    std::ifstream level_file(base + "level"), size_file(base + "size"),
+        cpus_file(base + "shared_cpu_list");
+    std::string level, size, cpus;
+    if (!std::getline(level_file, level)) break;
+    if (level != "3" || !std::getline(size_file, size) || !std::getline(cpus_file, cpus)) continue;
+    const std::int64_t bytes = detail::sysfs_cache_bytes(size);
+    const int sharing = detail::cpu_list_count(cpus);
+    if (bytes > 0 && sharing > 0) {
+      std::printf("sysfs L3: %s shared by %d; RoME's share per thread: %lld bytes\n", size.c_str(),
+                  sharing, static_cast<long long>(sizes.l3_per_thread));
+      EXPECT_LE(sizes.l3_per_thread, bytes / sharing);
+    }
+  }
+}
 
 struct ExecutorCase {
   std::string name;
