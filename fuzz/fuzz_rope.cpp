@@ -1512,7 +1512,8 @@ bool takes_bf16_dots(const Case& c) {
 // subnormals (at most 2^-126 per product, input and partial sum) and one bf16 rounding each. The
 // element is then given the FMA kernel's bytes, so that the caller can compare the rest exactly.
 void check_bf16_dots(const Case& c, const World& w0, World& dots, const World& fma) {
-  const i64 rd = c.rd;
+  // Rotated lanes [off, off + rd) of each head (a partial rotation at a lane offset).
+  const i64 rd = c.rd, off = c.rot->lane_offset();
   std::vector<float> cs(std::max<i64>(rd, 1)), sn(std::max<i64>(rd, 1)), x(std::max<i64>(c.hd, 1));
   for (const auto [in_slot, out_slot] : {std::pair{Q_IN, Q_OUT}, std::pair{K_IN, K_OUT}}) {
     const TensorDesc &in = c.t[in_slot], &out = c.t[out_slot];
@@ -1531,10 +1532,10 @@ void check_bf16_dots(const Case& c, const World& w0, World& dots, const World& f
         double mag = 0, max_a = 0, max_b = 0;
         for (i64 i = 0; i < rd; ++i) {
           const double a = std::fabs(c.A[i * rd + j]), b = std::fabs(c.B[i * rd + j]);
-          mag += std::fabs(double(x[i])) * (a * std::fabs(cs[j]) + b * std::fabs(sn[j]));
+          mag += std::fabs(double(x[off + i])) * (a * std::fabs(cs[j]) + b * std::fabs(sn[j]));
           max_a = std::max(max_a, a), max_b = std::max(max_b, b);
         }
-        full[axes] = j;
+        full[axes] = off + j;
         const i64 at = elem_offset(out, full);
         std::uint8_t* got_bytes = dots[out.arena].data() + at;
         const std::uint8_t* want_bytes = fma[out.arena].data() + at;

@@ -33,7 +33,7 @@ decltype(auto) guarded(F&& f) {
 // The core names its operands q, q_out, k, k_out, cos, sin; an op whose arguments are called
 // otherwise (x, query, key, cos_sin_cache) or that passes q as its own output (in place) maps
 // each role to its own argument, so every message names an argument of the op the user called
-// ("q.dtype" -> "x.dtype"; a whole name such as "tables.frequencies" -> "inv_freq").
+// (a whole name, "frequencies" -> "inv_freq", or the part before a dot: "q.dtype" -> "x.dtype").
 using Renames = std::initializer_list<std::pair<const char*, const char*>>;
 
 template <typename F>

@@ -128,7 +128,10 @@ def apply_rotary_emb(
             raise ValueError(
                 f"`use_real_unbind_dim={use_real_unbind_dim}` but should be -1 or -2.")
         cos, sin = freqs_cis  # [S, D]
-        if x.dim() != 4 or cos.dim() != 2:  # the layouts diffusers' broadcast gives meaning to
+        # The layouts diffusers' broadcast gives meaning to (a sin of another shape broadcasts
+        # to another result shape there); RoME runs on the CPU (a refusal costs an exception).
+        if (x.dim() != 4 or cos.dim() != 2 or sin.shape != cos.shape
+                or x.device.type != "cpu"):
             return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         # [S, D] tables broadcast to [B, H, S, D] as they are; [B, S, H, D] takes them as
         # [S, 1, D]. (Each view op costs about a microsecond in eager mode: a decode step.)
@@ -162,7 +165,7 @@ def apply_rotary_emb(
     if torch.compiler.is_compiling():
         # Traced: the kernel's checks, mirrored (a refusal would raise while tracing).
         freqs_shape = (*freqs_cis.shape[:2], 1, *freqs_cis.shape[2:])  # without the view
-        if (x.dtype not in _KERNEL_DTYPES or x.shape[-1] % 2
+        if (x.dtype not in _KERNEL_DTYPES or x.shape[-1] % 2 or x.shape[-1] == 0
                 or freqs_shape[-1] != x.shape[-1] // 2
                 or not _broadcasts_to(freqs_shape[:-1], x.shape[:-1])):
             return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)

@@ -90,14 +90,15 @@ def apply_rotary_emb(
         refused = (ValueError, IndexError, NotImplementedError)
 
         def one(x):
-            if x.dim() != 4:
+            if x.dim() != 4 or x.device.type != "cpu":  # (a refusal costs an exception)
                 return _pairs_reference(x, cos, sin)
             try:
                 return kernel(x)[0]
             except refused:
                 return _pairs_reference(x, cos, sin)
 
-        if xq.dtype == xk.dtype and xq.dim() == 4 and xk.dim() == 4:
+        if (xq.dtype == xk.dtype and xq.dim() == 4 and xk.dim() == 4
+                and xq.device.type == "cpu" and xk.device.type == "cpu"):
             try:
                 return kernel(xq, xk)
             except refused:
@@ -109,7 +110,7 @@ def apply_rotary_emb(
     def ok(x):
         return (x.device.type == "cpu" and cos.device.type == "cpu" and sin.device.type == "cpu"
                 and x.dim() == 4 and x.dtype in _KERNEL_DTYPES and cos.dtype in _KERNEL_DTYPES
-                and sin.dtype in _KERNEL_DTYPES and x.shape[-1] % 2 == 0
+                and sin.dtype in _KERNEL_DTYPES and x.shape[-1] % 2 == 0 and x.shape[-1] > 0
                 and ops._broadcasts_to(cos.shape[:-1], x.shape[:-1]))
 
     def traced_one(x):

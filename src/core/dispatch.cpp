@@ -206,7 +206,7 @@ int l3_sharing_threads() noexcept {
 std::int64_t sysfs_cache_bytes(const std::string& size) noexcept {
   char* end = nullptr;
   const long long value = std::strtoll(size.c_str(), &end, 10);
-  if (end == size.c_str() || value <= 0) return 0;
+  if (end == size.c_str() || value <= 0 || value > (1LL << 40)) return 0;
   if (*end == 'K') return std::int64_t(value) << 10;
   if (*end == 'M') return std::int64_t(value) << 20;
   return *end == '\0' ? std::int64_t(value) : 0;
@@ -236,7 +236,7 @@ int cpu_list_count(const std::string& list) noexcept {
 namespace {
 std::atomic<const CacheSizes*> cache_sizes_override{nullptr};
 
-// Linux's own view of cpu0's last-level cache (/sys/devices/system/cpu/cpu0/cache/index*: level,
+// Linux's own view of cpu0's level-3 cache (/sys/devices/system/cpu/cpu0/cache/index*: level,
 // type, size, shared_cpu_list): its bytes and how many logical processors share it; {0, 0} where
 // absent. A VM can pass its host's CPUID through: sysconf (which reads CPUID) gave 320 MiB of L3
 // shared by 2 on a 2-vCPU Zen 4 VM whose sysfs lists 32 MiB.

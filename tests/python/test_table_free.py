@@ -385,6 +385,8 @@ def test_vllm_table_free_mode(isa, neox):
     layer.forward(pos, q2, k2, inverse=True)
     back = reference(yq.view(7, 4, 128), pos[:, None].expand(7, 4), inv, rotation, 64, inverse=True)
     close(q2.view(7, 4, 128), back, torch.bfloat16)
+    back_k = reference(yk.view(7, 4, 128), pos[:, None].expand(7, 4), inv, rotation, 64, inverse=True)
+    close(k2.view(7, 4, 128), back_k, torch.bfloat16)
     assert (q2.float() - q.float()).abs().max() <= 0.05 * q.float().abs().max()
     # MLA: [T, H, D] with D > head_size rotates the last rotary_dim lanes only.
     mla = rome.vllm.RotaryEmbedding(64, 64, 4096, 10000.0, neox, torch.float32, table_free=True)
