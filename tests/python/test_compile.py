@@ -261,11 +261,13 @@ def test_compile_table_free_dynamic_and_in_place():
     positions = torch.arange(S) * 99991
     assert_in_graph("rome.rope_from_positions", module, q, k, positions)
     compiled = torch.compile(module, fullgraph=True, dynamic=True)
+    torch._dynamo.utils.counters.clear()
     for s in (S, S + 5):
         q, k = torch.randn(B, N, s, D).bfloat16(), torch.randn(B, 2, s, D).bfloat16()
         positions = torch.arange(s) * 99991
         for got, want in zip(compiled(q, k, positions), module(q, k, positions)):
             assert torch.equal(got, want)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     inplace = TableFreeInplace(inv)
     assert_in_graph("rome.rope_from_positions_", inplace, q.clone(), k.clone(), positions)
     q1, k1, q2, k2 = q.clone(), k.clone(), q.clone(), k.clone()
