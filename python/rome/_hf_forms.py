@@ -22,6 +22,8 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 
+from . import ops
+
 # ------------------------------------------------------------------------------------------------
 # Helper functions, by canonical name (several spellings each).
 
@@ -188,8 +190,8 @@ _REFUSALS = (ValueError, IndexError, NotImplementedError, TypeError, RuntimeErro
 def _rope(x, other, cos, sin, rotation="half", rotary_dim=-1, width="full"):
     """RoME on x and other (None, or a tensor of x's dtype or its own): (x_out, other_out)."""
     global _ROPE
-    if _ROPE is None:
-        _ROPE = torch.ops.rome.rope.default
+    if _ROPE is None:  # eager only: make_replacement runs the original while tracing
+        _ROPE = ops._eager_entry(torch.ops.rome.rope.default)
     if cos.dim() > x.dim() or (other is not None and cos.dim() > other.dim()):
         # transformers' broadcast would give a result of the tables' rank; RoME keeps x's.
         raise ValueError("tables of a higher rank than x")

@@ -113,10 +113,13 @@ def _rotate(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_s
                                                     max_seqlen)
     args = (positions, "interleave" if interleaved else "half", [], rotary_dim,
             "pairs" if interleaved else "halves", [], None, None)
+    rope_, rope = torch.ops.rome.rope_.default, torch.ops.rome.rope.default
+    if not torch.compiler.is_compiling():  # the C++ entries (ops._eager_entry)
+        rope_, rope = ops._eager_entry(rope_), ops._eager_entry(rope)
     if inplace and not (torch.is_grad_enabled() and x.requires_grad):
-        torch.ops.rome.rope_.default(x, None, cos_t, sin_t, *args)
+        rope_(x, None, cos_t, sin_t, *args)
         return x
-    y = torch.ops.rome.rope.default(x, None, cos_t, sin_t, *args)[0]
+    y = rope(x, None, cos_t, sin_t, *args)[0]
     if inplace:  # differentiable: the copy carries the rotation's gradient
         return x.copy_(y)
     return y
