@@ -625,27 +625,47 @@ def test_property_table_free_matches_reference(data):
         inv = inv * 1e-3  # keep |position × frequency| below 2^50
     amplitude = data.draw(st.sampled_from([1.0, 0.5, 1.3]))
     strided = data.draw(st.booleans())
-    base = torch.randn(batch, tokens, heads, D + (16 if strided else 0)).to(dtype)
-    x = base[..., :D] if strided else base
-    pb = positions.expand(batch, tokens, heads)
-    want = reference(x, pb, inv, rotation, rd, blocks, amplitude)
+    # BSND ([B, S, H, D], positions [B, S, 1]) or BNSD ([B, H, S, D], positions [B, 1, S]); k
+    # with its own head count (GQA) rotates in the same call, or is absent.
+    bnsd = data.draw(st.booleans())
+    k_heads = data.draw(st.sampled_from([0, 1, heads]))
+
+    def operand(h):
+        shape = (batch, h, tokens) if bnsd else (batch, tokens, h)
+        base = torch.randn(*shape, D + (16 if strided else 0)).to(dtype)
+        return base[..., :D] if strided else base
+
+    x = operand(heads)
+    k = operand(k_heads) if k_heads else None
+    if bnsd:
+        positions = positions.view(batch, 1, tokens)
+
+    def expected(t):
+        return reference(t, positions.expand(*t.shape[:-1]), inv, rotation, rd, blocks,
+                         amplitude)
+
     if limit == 2**40:  # the fp64 reference angle is off by up to 2^-14 there: compare loosely
         y, _ = rome.ops.rope_from_positions(x, None, positions, inv, rotation, blocks, rd,
                                             amplitude)
-        assert (y.double() - want).abs().max() < 5e-2
+        assert (y.double() - expected(x)).abs().max() < 5e-2
         return
     in_place = data.draw(st.booleans())
     if in_place:
         y = x.clone() if not strided else x
-        rome.ops.rope_from_positions_(y, None, positions, inv, rotation, blocks, rd, amplitude)
+        yk = None if k is None else (k.clone() if not strided else k)
+        want, want_k = expected(y), None if k is None else expected(yk)
+        rome.ops.rope_from_positions_(y, yk, positions, inv, rotation, blocks, rd, amplitude)
     else:
-        y, _ = rome.ops.rope_from_positions(x, None, positions, inv, rotation, blocks, rd,
-                                            amplitude)
+        want, want_k = expected(x), None if k is None else expected(k)
+        y, yk = rome.ops.rope_from_positions(x, k, positions, inv, rotation, blocks, rd,
+                                             amplitude)
     close(y, want, dtype)
-    # A corruption of one argument: an error, and the in-place tensor keeps its bits.
+    if k is not None:
+        close(yk, want_k, dtype)
+    # A corruption of one argument: an error, and the in-place tensors keep their bits.
     bad = data.draw(st.sampled_from(["count", "nan", "float_positions", "shape"]))
-    z = x.clone()
-    z0 = z.clone()
+    z, zk = x.clone(), None if k is None else k.clone()
+    z0, zk0 = z.clone(), None if k is None else k.clone()
     args = dict(positions=positions, inv_freq=inv)
     if bad == "count":
         args["inv_freq"] = inv[:-1]
@@ -654,8 +674,11 @@ def test_property_table_free_matches_reference(data):
     elif bad == "float_positions":
         args["positions"] = positions.double()
     else:
-        args["positions"] = torch.zeros(batch, tokens + 1, 1, dtype=torch.long)
+        args["positions"] = torch.zeros(  # one token too many
+            *((batch, 1, tokens + 1) if bnsd else (batch, tokens + 1, 1)), dtype=torch.long)
     with pytest.raises((ValueError, IndexError)):
-        rome.ops.rope_from_positions_(z, None, args["positions"], args["inv_freq"], rotation,
+        rome.ops.rope_from_positions_(z, zk, args["positions"], args["inv_freq"], rotation,
                                       blocks, rd, amplitude)
     assert torch.equal(z, z0)
+    if k is not None:
+        assert torch.equal(zk, zk0)
