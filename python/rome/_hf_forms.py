@@ -181,7 +181,7 @@ def signature(fn: ast.FunctionDef) -> Tuple[List[str], list, Optional[str]]:
 # ------------------------------------------------------------------------------------------------
 # The RoME calls.
 
-_ROPE = None
+_ROPE = ops._EAGER_ROPE  # eager only: make_replacement runs the original while tracing
 # What RoME's op raises on inputs it does not take (it validates before writing anything), and
 # what the argument handling below raises on calls the original would reject too.
 _REFUSALS = (ValueError, IndexError, NotImplementedError, TypeError, RuntimeError)
@@ -189,9 +189,6 @@ _REFUSALS = (ValueError, IndexError, NotImplementedError, TypeError, RuntimeErro
 
 def _rope(x, other, cos, sin, rotation="half", rotary_dim=-1, width="full"):
     """RoME on x and other (None, or a tensor of x's dtype or its own): (x_out, other_out)."""
-    global _ROPE
-    if _ROPE is None:  # eager only: make_replacement runs the original while tracing
-        _ROPE = ops._eager_entry(torch.ops.rome.rope.default)
     if cos.dim() > x.dim() or (other is not None and cos.dim() > other.dim()):
         # transformers' broadcast would give a result of the tables' rank; RoME keeps x's.
         raise ValueError("tables of a higher rank than x")

@@ -91,17 +91,6 @@ def _real_imag(freqs_cis: torch.Tensor, axis: int):
     return real, imag
 
 
-_EAGER_ROPE = None
-
-
-def _eager_rope():
-    """rome::rope's C++ entry, for calls that never run while tracing (ops._eager_entry)."""
-    global _EAGER_ROPE
-    if _EAGER_ROPE is None:
-        _EAGER_ROPE = ops._eager_entry(torch.ops.rome.rope.default)
-    return _EAGER_ROPE
-
-
 def _kernel_ok(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, width: int) -> bool:
     return (
         x.device.type == "cpu" and x.dtype in _KERNEL_DTYPES and x.dim() == 4
@@ -155,8 +144,8 @@ def apply_rotary_emb(
             # Eager: the kernel's own checks decide (they run before anything is computed);
             # diffusers' formula takes what they refuse.
             try:
-                return _eager_rope()(x, None, cos_b, sin_b, None, rotation, [], -1, "full", [],
-                                     None, None)[0]
+                return ops._EAGER_ROPE(x, None, cos_b, sin_b, None, rotation, [], -1, "full",
+                                       [], None, None)[0]
             except (ValueError, IndexError, NotImplementedError):
                 return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         # Traced: a refusal would raise while tracing, where nothing falls back; these checks
@@ -185,8 +174,8 @@ def apply_rotary_emb(
                                            "pairs", [], None, None)[0]
     cos, sin = _real_imag(freqs_cis, 2)  # strided views: the kernel reads their columns
     try:  # eager: the kernel's checks decide
-        return _eager_rope()(x, None, cos, sin, None, "interleave", [], -1, "pairs", [], None,
-                             None)[0]
+        return ops._EAGER_ROPE(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
+                               None, None)[0]
     except (ValueError, IndexError, NotImplementedError):
         return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
 
@@ -210,8 +199,8 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
         return _qwen_reference(x, freqs_cis)
     cos, sin = _real_imag(freqs_cis, 1)  # strided views: the kernel reads their columns
     try:  # eager only (traced calls took the reference above)
-        return _eager_rope()(x, None, cos, sin, None, "interleave", [], -1, "pairs", [], None,
-                             None)[0]
+        return ops._EAGER_ROPE(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
+                               None, None)[0]
     except (ValueError, IndexError):  # shapes the kernel does not take: PyTorch says why
         return _qwen_reference(x, freqs_cis)
 

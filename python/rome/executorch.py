@@ -89,16 +89,18 @@ def apply_rotary_emb(
         # takes what they refuse.
         refused = (ValueError, IndexError, NotImplementedError)
 
+        def contract(x):  # ExecuTorch's layout, on the CPU (a refusal costs an exception)
+            return x.dim() == 4 and x.device.type == "cpu"
+
         def one(x):
-            if x.dim() != 4 or x.device.type != "cpu":  # (a refusal costs an exception)
+            if not contract(x):
                 return _pairs_reference(x, cos, sin)
             try:
                 return kernel(x)[0]
             except refused:
                 return _pairs_reference(x, cos, sin)
 
-        if (xq.dtype == xk.dtype and xq.dim() == 4 and xk.dim() == 4
-                and xq.device.type == "cpu" and xk.device.type == "cpu"):
+        if xq.dtype == xk.dtype and contract(xq) and contract(xk):
             try:
                 return kernel(xq, xk)
             except refused:

@@ -113,9 +113,10 @@ def _rotate(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_s
                                                     max_seqlen)
     args = (positions, "interleave" if interleaved else "half", [], rotary_dim,
             "pairs" if interleaved else "halves", [], None, None)
-    rope_, rope = torch.ops.rome.rope_.default, torch.ops.rome.rope.default
-    if not torch.compiler.is_compiling():  # the C++ entries (ops._eager_entry)
-        rope_, rope = ops._eager_entry(rope_), ops._eager_entry(rope)
+    if torch.compiler.is_compiling():  # traced: the overloads; eager: their C++ entries
+        rope_, rope = torch.ops.rome.rope_.default, torch.ops.rome.rope.default
+    else:
+        rope_, rope = ops._EAGER_ROPE_, ops._EAGER_ROPE
     if inplace and not (torch.is_grad_enabled() and x.requires_grad):
         rope_(x, None, cos_t, sin_t, *args)
         return x

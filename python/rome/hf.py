@@ -141,14 +141,11 @@ def _rope_qk(
     return q_out, (None if k is None else k_out)
 
 
-_ROPE = None
+_ROPE = ops._EAGER_ROPE  # eager only (see _rope_qk)
 
 
 def _rope_kernel(q, k, cos, sin, rd):
     """RoME's op on q and k (promoted to transformers' result dtype); raises what the op raises."""
-    global _ROPE
-    if _ROPE is None:
-        _ROPE = ops._eager_entry(torch.ops.rome.rope.default)  # eager only (see _rope_qk)
     if cos.dim() > q.dim() or (k is not None and cos.dim() > k.dim()):
         # transformers' broadcast gives a result of the tables' rank; the op keeps q's.
         raise ValueError("rome.hf: tables of a higher rank than q")

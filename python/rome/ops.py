@@ -41,6 +41,11 @@ def _eager_entry(overload):
     return getattr(overload, "_op", overload)
 
 
+# The entries the drop-ins call outside tracing (the extension registered the ops above).
+_EAGER_ROPE = _eager_entry(torch.ops.rome.rope.default)
+_EAGER_ROPE_ = _eager_entry(torch.ops.rome.rope_.default)
+
+
 def _broadcasts_to(shape, target) -> bool:
     """True when a tensor of `shape` broadcasts to `target` without growing it. (Plain
     comparisons: torch.broadcast_shapes cost 10-90 µs per call in eager mode here, more than a
