@@ -45,6 +45,7 @@
 
 #include "core/convert.hpp"
 #include "core/dispatch.hpp"
+#include "core/rotation_data.hpp"
 #include "rome/rome.hpp"
 
 using namespace rome;
@@ -1492,19 +1493,12 @@ void check_backward(const Case& c, const World& w0, const World& got) {
 // products and partial sums, and adds each pair in another order than the FMA kernels: held to an
 // error bound around the FMA kernel's bits (test_dense_bf16_dot.cpp checks it against fp64), not
 // to them. The bit comparisons of run_one run on the FMA kernels of the same ISA.
-bool bf16_dot_exact(float v) {
-  std::uint32_t bits;
-  std::memcpy(&bits, &v, 4);
-  return (bits & 0xffffu) == 0 && ((bits & 0x7f800000u) != 0 || (bits & 0x7fffffffu) == 0);
-}
-
 bool takes_bf16_dots(const Case& c) {
   if (active_isa() != Isa::avx512 || !detail::cpu_features().fast_bf16_dot || c.op == 2 || !c.rot ||
       c.rot->kind() != Rotation::Kind::dense)
     return false;
   if (c.t[Q_IN].dtype != DType::bf16 && (c.op != 1 || c.t[K_IN].dtype != DType::bf16)) return false;
-  return std::all_of(c.A.begin(), c.A.end(), bf16_dot_exact) &&
-         std::all_of(c.B.begin(), c.B.end(), bf16_dot_exact);
+  return c.rot->data().pair_panel_packs().bf16_exact;  // the library's own rule for the kernel
 }
 
 // `dots` (the dot-product kernel's result) against `fma` (the FMA kernel's) for every rotated

@@ -233,9 +233,6 @@ int cpu_list_count(const std::string& list) noexcept {
   return count;
 }
 
-namespace {
-std::atomic<const CacheSizes*> cache_sizes_override{nullptr};
-
 // Linux's own view of cpu0's level-3 cache (/sys/devices/system/cpu/cpu0/cache/index*: level,
 // type, size, shared_cpu_list): its bytes and how many logical processors share it; {0, 0} where
 // absent. A VM can pass its host's CPUID through: sysconf (which reads CPUID) gave 320 MiB of L3
@@ -258,6 +255,9 @@ std::pair<std::int64_t, int> sysfs_l3() {
   }
   return {0, 0};
 }
+namespace {
+std::atomic<const CacheSizes*> cache_sizes_override{nullptr};
+
 }  // namespace
 
 void override_cache_sizes_for_testing(const CacheSizes* sizes) noexcept {

@@ -1,7 +1,9 @@
 // The one dispatch point: picks the kernel table of the active ISA.
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <utility>
 
 #include "../kernels/kernel_api.hpp"
 #include "rome/rope.hpp"
@@ -42,6 +44,8 @@ const CacheSizes& cache_sizes() noexcept;
 // "shared_cpu_list" ("0-1,4"); 0 for anything else.
 std::int64_t sysfs_cache_bytes(const std::string& size) noexcept;
 int cpu_list_count(const std::string& list) noexcept;
+// cpu0's level-3 cache as Linux's sysfs lists it: {bytes, CPUs sharing it}; {0, 0} where absent.
+std::pair<std::int64_t, int> sysfs_l3();
 // Whether `bytes` written once cannot stay in the last-level cache, so non-temporal stores pay:
 // glibc 2.26-2.37's rule for memmove (3/4 of one thread's share of the L3). The share is the
 // smaller of CPUID's and sysfs's (cache_sizes): on a VM whose CPUID reports its host's L3, outputs
