@@ -1,7 +1,7 @@
 // rome._C: the Python module of the extension. The operators register themselves with the
 // dispatcher (schemas.cpp, cpu.cpp, meta.cpp, autograd.cpp) when this library loads; this file adds
-// the non-op utilities: CPU/ISA information and control, dense rotation matrices, and the table
-// builders of rome/tables.hpp.
+// the non-op utilities: CPU/ISA information and control, the drop-ins' eager entries (eager.cpp),
+// dense rotation matrices, and the table builders of rome/tables.hpp.
 #include <torch/extension.h>
 
 #include <cstring>
@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "common.hpp"
+#include "eager.hpp"
 
 namespace {
 
@@ -124,6 +125,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("default_num_threads", &rome::default_num_threads);
   m.def("last_call_threads", &rome::last_call_threads,
         "distinct threads that ran this thread's last forward call (0: no work)");
+
+  rome_torch::add_eager_entries(m);
 
   // Matrices.
   m.def("rotation_matrices", &rotation_matrices, py::arg("kind"), py::arg("rotary_dim"),

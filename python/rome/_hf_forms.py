@@ -193,13 +193,13 @@ def _rope(x, other, cos, sin, rotation="half", rotary_dim=-1, width="full"):
         # transformers' broadcast would give a result of the tables' rank; RoME keeps x's.
         raise ValueError("tables of a higher rank than x")
     if other is None:
-        return _ROPE(x, None, cos, sin, None, rotation, [], rotary_dim, width, [], None, None)[0], \
+        return _ROPE(x, None, cos, sin, None, rotation, (), rotary_dim, width, (), None, None)[0], \
             None
     if other.dtype == x.dtype:
-        out = _ROPE(x, other, cos, sin, None, rotation, [], rotary_dim, width, [], None, None)
+        out = _ROPE(x, other, cos, sin, None, rotation, (), rotary_dim, width, (), None, None)
         return out[0], out[1]
-    return (_ROPE(x, None, cos, sin, None, rotation, [], rotary_dim, width, [], None, None)[0],
-            _ROPE(other, None, cos, sin, None, rotation, [], rotary_dim, width, [], None, None)[0])
+    return (_ROPE(x, None, cos, sin, None, rotation, (), rotary_dim, width, (), None, None)[0],
+            _ROPE(other, None, cos, sin, None, rotation, (), rotary_dim, width, (), None, None)[0])
 
 
 def _promoted(x, cos, sin):

@@ -144,8 +144,8 @@ def apply_rotary_emb(
             # Eager: the kernel's own checks decide (they run before anything is computed);
             # diffusers' formula takes what they refuse.
             try:
-                return ops._EAGER_ROPE(x, None, cos_b, sin_b, None, rotation, [], -1, "full",
-                                       [], None, None)[0]
+                return ops._EAGER_ROPE(x, None, cos_b, sin_b, None, rotation, (), -1, "full",
+                                       (), None, None)[0]
             except (ValueError, IndexError, NotImplementedError):
                 return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
         # Traced: a refusal would raise while tracing, where nothing falls back; these checks
@@ -174,7 +174,7 @@ def apply_rotary_emb(
                                            "pairs", [], None, None)[0]
     cos, sin = _real_imag(freqs_cis, 2)  # strided views: the kernel reads their columns
     try:  # eager: the kernel's checks decide
-        return ops._EAGER_ROPE(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
+        return ops._EAGER_ROPE(x, None, cos, sin, None, "interleave", (), -1, "pairs", (),
                                None, None)[0]
     except (ValueError, IndexError, NotImplementedError):
         return _reference(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
@@ -199,7 +199,7 @@ def apply_rotary_emb_qwen(x: torch.Tensor, freqs_cis, use_real: bool = True,
         return _qwen_reference(x, freqs_cis)
     cos, sin = _real_imag(freqs_cis, 1)  # strided views: the kernel reads their columns
     try:  # eager only (traced calls took the reference above)
-        return ops._EAGER_ROPE(x, None, cos, sin, None, "interleave", [], -1, "pairs", [],
+        return ops._EAGER_ROPE(x, None, cos, sin, None, "interleave", (), -1, "pairs", (),
                                None, None)[0]
     except (ValueError, IndexError):  # shapes the kernel does not take: PyTorch says why
         return _qwen_reference(x, freqs_cis)

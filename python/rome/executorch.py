@@ -85,6 +85,10 @@ def apply_rotary_emb(
         return ops.rope(x, k, cos, sin, rotation="interleave", table_width="pairs")
 
     if not torch.compiler.is_compiling():
+        def eager_kernel(x, k=None):  # the op's eager entry, every argument positional
+            return ops._EAGER_ROPE(x, k, cos, sin, None, "interleave", (), -1, "pairs", (), None,
+                                   None)
+
         # Eager: the kernel's checks decide (before anything is computed); ExecuTorch's formula
         # takes what they refuse.
         refused = (ValueError, IndexError, NotImplementedError)
@@ -96,13 +100,13 @@ def apply_rotary_emb(
             if not contract(x):
                 return _pairs_reference(x, cos, sin)
             try:
-                return kernel(x)[0]
+                return eager_kernel(x)[0]
             except refused:
                 return _pairs_reference(x, cos, sin)
 
         if xq.dtype == xk.dtype and contract(xq) and contract(xk):
             try:
-                return kernel(xq, xk)
+                return eager_kernel(xq, xk)
             except refused:
                 pass
         return one(xq), one(xk)

@@ -111,8 +111,8 @@ def _rotate(x, cos, sin, interleaved, inplace, seqlen_offsets, cu_seqlens, max_s
     cos, sin = _without_grad(cos), _without_grad(sin)
     cos_t, sin_t, positions = _positions_and_tables(x, cos, sin, seqlen_offsets, cu_seqlens,
                                                     max_seqlen)
-    args = (positions, "interleave" if interleaved else "half", [], rotary_dim,
-            "pairs" if interleaved else "halves", [], None, None)
+    args = (positions, "interleave" if interleaved else "half", (), rotary_dim,
+            "pairs" if interleaved else "halves", (), None, None)
     if torch.compiler.is_compiling():  # traced: the overloads; eager: their C++ entries
         rope_, rope = torch.ops.rome.rope_.default, torch.ops.rome.rope.default
     else:

@@ -152,12 +152,12 @@ def _rope_kernel(q, k, cos, sin, rd):
     same = cos.dtype == q.dtype and sin.dtype == q.dtype
     q_in = q if same else q.to(_out_dtype(q, cos, sin))
     if k is None:
-        return _ROPE(q_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0], None
+        return _ROPE(q_in, None, cos, sin, None, "half", (), rd, "full", (), None, None)[0], None
     k_in = k if same and k.dtype == q.dtype else k.to(_out_dtype(k, cos, sin))
     if q_in.dtype == k_in.dtype:
-        return _ROPE(q_in, k_in, cos, sin, None, "half", [], rd, "full", [], None, None)
-    return (_ROPE(q_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0],
-            _ROPE(k_in, None, cos, sin, None, "half", [], rd, "full", [], None, None)[0])
+        return _ROPE(q_in, k_in, cos, sin, None, "half", (), rd, "full", (), None, None)
+    return (_ROPE(q_in, None, cos, sin, None, "half", (), rd, "full", (), None, None)[0],
+            _ROPE(k_in, None, cos, sin, None, "half", (), rd, "full", (), None, None)[0])
 
 
 # ------------------------------------------------------------------------------------------------

@@ -41,9 +41,12 @@ def _eager_entry(overload):
     return getattr(overload, "_op", overload)
 
 
-# The entries the drop-ins call outside tracing (the extension registered the ops above).
-_EAGER_ROPE = _eager_entry(torch.ops.rome.rope.default)
-_EAGER_ROPE_ = _eager_entry(torch.ops.rome.rope_.default)
+# The entries the drop-ins call outside tracing (the extension registered the ops above): the CPU
+# kernel's call straight from C++ where nothing but it would run, else the op with the same
+# arguments (bindings/torch/eager.cpp). Positional arguments only; int lists as tuples (an empty
+# tuple is not a new object for the garbage collector to count).
+_EAGER_ROPE = _C._eager_rope(_eager_entry(torch.ops.rome.rope.default))
+_EAGER_ROPE_ = _C._eager_rope_(_eager_entry(torch.ops.rome.rope_.default))
 
 
 def _broadcasts_to(shape, target) -> bool:
@@ -84,8 +87,8 @@ def rope_matrix_(x: torch.Tensor, mat: torch.Tensor, sin: torch.Tensor, cos: tor
     return x
 
 
-def _int_list(values: Optional[Sequence[int]]) -> list:
-    return [] if values is None else [int(v) for v in values]
+def _int_list(values: Optional[Sequence[int]]) -> tuple:
+    return () if values is None else tuple(int(v) for v in values)
 
 
 def rope(
@@ -149,7 +152,9 @@ def rope(
             table_width, _int_list(column_axis), mat_a, mat_b,
         )
         return q_out, k_out
-    return torch.ops.rome.rope.default(
+    # Eager calls take the op's C++ entry; torch.compile traces the op itself.
+    entry = torch.ops.rome.rope.default if torch.compiler.is_compiling() else _EAGER_ROPE
+    return entry(
         q, k, cos, sin, positions, rotation, _int_list(blocks), int(rotary_dim), table_width,
         _int_list(column_axis), mat_a, mat_b,
     )
@@ -171,7 +176,8 @@ def rope_(
 ) -> None:
     """In-place :func:`rope` on ``q`` (and ``k``). Inference only: raises if an input requires
     grad while grad mode is on. Partial rotary leaves the pass-through lanes untouched."""
-    torch.ops.rome.rope_.default(
+    entry = torch.ops.rome.rope_.default if torch.compiler.is_compiling() else _EAGER_ROPE_
+    entry(
         q, k, cos, sin, positions, rotation, _int_list(blocks), int(rotary_dim), table_width,
         _int_list(column_axis), mat_a, mat_b,
     )

@@ -3,8 +3,9 @@
 q [1, 32, 1, 128] and k [1, 8, 1, 128] bf16 with bf16 cos/sin [1, 1, 128] (Llama-style shapes,
 what a decode step hands over), in inference mode: transformers' own formula
 (``q * cos + rotate_half(q) * sin``), ``rome.hf.apply_rotary_pos_emb`` (its checks, the dtype
-promotion and the op) and ``torch.ops.rome.rope`` alone. Medians of samples of 500 calls each, 1
-and 2 threads with torch.set_num_threads; output allocation (as in the model) included.
+promotion and the op), ``torch.ops.rome.rope`` alone, ``rome.ops.rope`` (the op's eager entry)
+and a ``torch.add`` of q (the floor of any op call from Python). Medians of samples of 500 calls
+each, 1 and 2 threads with torch.set_num_threads; output allocation (as in the model) included.
 
 Then the same step through each RoPE form rome.hf.patch_module serves beyond Llama's (one
 transformers modeling module per form: up-casting, interleaved, half-width tables, MLA, ...):
@@ -199,6 +200,8 @@ def run(quick: bool = False, threads_list=(1, 2), progress: Callable[[str], None
                                           samples),
                     "op": _median_us(lambda: torch.ops.rome.rope.default(
                         q, k, c4, s4, None, "half", [], 128, "full", [], None, None), samples),
+                    "entry": _median_us(lambda: rome.ops.rope(q, k, c4, s4), samples),
+                    "add": _median_us(lambda: torch.add(q, q), samples),
                     # --quick (CI): the forms on the first thread count, shorter samples.
                     "forms": ([] if quick and threads != threads_list[0] else
                               _form_rows(q, k, cos, sin, samples, 100 if quick else 500)),
@@ -215,12 +218,21 @@ def markdown(res: Dict) -> str:
         f"### One decode step through the transformers drop-in ({res['isa']}; q [1, 32, 1, 128] + "
         "k [1, 8, 1, 128] bf16, µs per call)",
         "",
-        "| threads | transformers' formula | rome.hf.apply_rotary_pos_emb | torch.ops.rome.rope alone |",
-        "|---:|---:|---:|---:|",
+        "| threads | transformers' formula | rome.hf.apply_rotary_pos_emb | "
+        "torch.ops.rome.rope alone | rome.ops.rope (eager entry) | torch.add of q | "
+        "rome.ops.rope / torch.add |",
+        "|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in res["rows"]:
-        lines.append(f"| {r['threads']} | {r['transformers']:.1f} | {r['rome_hf']:.1f} | {r['op']:.1f} |")
+        lines.append(f"| {r['threads']} | {r['transformers']:.1f} | {r['rome_hf']:.1f} | "
+                     f"{r['op']:.1f} | {r['entry']:.1f} | {r['add']:.1f} | "
+                     f"{r['entry'] / r['add']:.2f}x |")
     lines += [
+        "",
+        "torch.ops.rome.rope goes through torch's generic Python path for custom ops (schema "
+        "parsing, the dispatcher); rome.ops.rope and the drop-ins take the op's eager entry, which "
+        "runs the CPU kernel's call from C++ when nothing else would have run "
+        "(bindings/torch/eager.cpp).",
         "",
         "The same step through the other forms rome.hf.patch_module serves (the module's own "
         "function vs its replacement; µs per call, ratio = RoME / transformers, target ≤ 0.5):",

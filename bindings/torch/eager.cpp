@@ -1,0 +1,212 @@
+// Eager entries of rome::rope and rome::rope_ for the drop-ins' calls outside torch.compile.
+//
+// A custom op called from Python goes through torch's generic path: each argument checked for
+// __torch_function__, converted to an IValue against the schema, then the dispatcher's Autograd,
+// ADInplaceOrView and CPU kernels. For one decode token that path is most of the call (5-6.5 µs
+// here, 2.6-3.1 µs through this entry, a torch.add of the same q 1.9-2.9 µs; the kernel itself
+// under 1 µs). The entries here take the CPU kernel's own call (rope_call, the same function the
+// CPU kernel runs) when nothing else would have run on the way to it, and hand every other call
+// to the op itself (`fallback`, with the same arguments), so their results, errors, autograd and
+// version counters are the op's:
+//   - every tensor argument is exactly torch.Tensor (no subclass and its __torch_function__), a
+//     plain dense CPU tensor (its dispatch keys CPU, ADInplaceOrView, AutogradCPU, AutocastCPU at
+//     most: no conjugate or negative bit, no Python, functorch or sparse keys);
+//   - no torch function mode, no dispatch key forced on by this thread (Python dispatch modes,
+//     functorch transforms), no profiler or other RecordFunction callback;
+//   - no gradient to record: grad mode off, or no tensor requires grad;
+//   - positional arguments of the schema's Python types (anything else: the op's error).
+// Autocast on the CPU falls through for custom ops, so it changes nothing here. In place, the
+// version counters of q and k are bumped as the op's ADInplaceOrView kernel does.
+#include "eager.hpp"
+
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <ATen/record_function.h>
+#include <c10/core/impl/LocalDispatchKeySet.h>
+#include <c10/util/SmallVector.h>
+#include <torch/csrc/autograd/python_variable.h>
+#include <torch/extension.h>
+
+#include <optional>
+
+#include "calls.hpp"
+
+namespace rome_torch {
+namespace {
+
+namespace py = pybind11;
+
+// The keys of a plain CPU tensor (an inference tensor has only CPU and AutocastCPU).
+constexpr c10::DispatchKeySet kPlainCpuKeys({c10::DispatchKey::CPU,
+                                             c10::DispatchKey::ADInplaceOrView,
+                                             c10::DispatchKey::AutogradCPU,
+                                             c10::DispatchKey::AutocastCPU});
+// What a thread includes by default (and InferenceMode: BackendSelect alone).
+constexpr c10::DispatchKeySet kDefaultIncluded({c10::DispatchKey::BackendSelect,
+                                                c10::DispatchKey::ADInplaceOrView});
+
+bool plain_cpu(const Tensor& t) {
+  // Removing keys leaves backend bits: what stays must be the CPU bit alone.
+  return t.is_cpu() && (t.key_set() - kPlainCpuKeys).raw_repr() ==
+                           c10::DispatchKeySet(c10::BackendComponent::CPUBit).raw_repr();
+}
+
+bool thread_is_plain() {
+  const auto tls = c10::impl::tls_local_dispatch_key_set();
+  return (tls.included_ - kDefaultIncluded).empty() && !at::impl::torch_function_mode_enabled() &&
+         !at::getStepCallbacksUnlessEmpty(at::RecordScope::FUNCTION).has_value();
+}
+
+// The arguments of one call, parsed from Python; false: not the fast path's (the op decides).
+struct Reader {
+  const py::args& args;
+  std::size_t next = 0;
+  bool grad = at::GradMode::is_enabled();
+
+  PyObject* take() { return args[next++].ptr(); }
+
+  bool tensor(const Tensor*& out) {
+    PyObject* o = take();
+    if (!THPVariable_CheckExact(o)) return false;
+    out = &THPVariable_Unpack(o);
+    return out->defined() && plain_cpu(*out) && !(grad && out->requires_grad());
+  }
+  bool optional_tensor(std::optional<Tensor>& out) {
+    if (args[next].is_none()) {
+      ++next;
+      return true;
+    }
+    const Tensor* t = nullptr;
+    if (!tensor(t)) return false;
+    out = *t;
+    return true;
+  }
+  bool text(c10::string_view& out) {
+    PyObject* o = take();
+    Py_ssize_t size = 0;
+    const char* data = PyUnicode_Check(o) ? PyUnicode_AsUTF8AndSize(o, &size) : nullptr;
+    if (data == nullptr) {
+      PyErr_Clear();
+      return false;
+    }
+    out = c10::string_view(data, std::size_t(size));
+    return true;
+  }
+  static bool integer(PyObject* o, int64_t& out) {
+    if (!PyLong_CheckExact(o)) return false;  // not bool, not a tensor
+    int overflow = 0;
+    out = PyLong_AsLongLongAndOverflow(o, &overflow);
+    return overflow == 0 && !(out == -1 && PyErr_Occurred());
+  }
+  bool integer(int64_t& out) { return integer(take(), out); }
+  bool integers(c10::SmallVector<int64_t, 8>& out) {
+    PyObject* o = take();
+    if (!PyTuple_CheckExact(o) && !PyList_CheckExact(o)) return false;
+    const Py_ssize_t n = PySequence_Fast_GET_SIZE(o);
+    PyObject** items = PySequence_Fast_ITEMS(o);
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      int64_t v = 0;
+      if (!integer(items[i], v)) return false;
+      out.push_back(v);
+    }
+    return true;
+  }
+};
+
+// rope / rope_'s arguments: (q, k, cos, sin, positions, rotation, blocks, rotary_dim,
+// table_width, column_axis, mat_a, mat_b).
+struct RopeArgs {
+  const Tensor* q = nullptr;
+  const Tensor* cos = nullptr;
+  const Tensor* sin = nullptr;
+  std::optional<Tensor> k, positions, mat_a, mat_b;
+  c10::string_view rotation, table_width;
+  c10::SmallVector<int64_t, 8> blocks, column_axis;
+  int64_t rotary_dim = -1;
+
+  bool read(const py::args& args, const py::kwargs& kwargs) {
+    if (args.size() != 12 || kwargs.size() != 0 || !thread_is_plain()) return false;
+    Reader r{args};
+    return r.tensor(q) && r.optional_tensor(k) && r.tensor(cos) && r.tensor(sin) &&
+           r.optional_tensor(positions) && r.text(rotation) && r.integers(blocks) &&
+           r.integer(rotary_dim) && r.text(table_width) && r.integers(column_axis) &&
+           r.optional_tensor(mat_a) && r.optional_tensor(mat_b);
+  }
+};
+
+void bump_unless_inference(const Tensor& t) {
+  if (!t.is_inference()) torch::autograd::impl::bump_version(t);
+}
+
+// Calls this thread's entries ran themselves and handed to the op (tests read them).
+thread_local int64_t direct_calls = 0, fallback_calls = 0;
+
+// The GIL is let go (as the op does) for calls long enough that other Python threads should run
+// meanwhile; for a decode token, taking it back cost about 0.2 µs of a 4.5 µs call.
+constexpr int64_t kReleaseGilBytes = int64_t(1) << 16;
+
+struct MaybeReleaseGil {
+  explicit MaybeReleaseGil(const RopeArgs& a)
+      : released(a.q->nbytes() + (a.k ? a.k->nbytes() : 0) > kReleaseGilBytes) {
+    if (released) state = PyEval_SaveThread();
+  }
+  ~MaybeReleaseGil() {
+    if (released) PyEval_RestoreThread(state);
+  }
+  bool released;
+  PyThreadState* state = nullptr;
+};
+
+}  // namespace
+
+void add_eager_entries(py::module_& m) {
+  m.def(
+      "_eager_rope",
+      [](py::object fallback) {
+        return py::cpp_function([fallback](py::args args, py::kwargs kwargs) -> py::object {
+          RopeArgs a;
+          if (!a.read(args, kwargs)) {
+            ++fallback_calls;
+            return fallback(*args, **kwargs);
+          }
+          ++direct_calls;
+          std::tuple<Tensor, Tensor> out;
+          {
+            MaybeReleaseGil gil(a);
+            out = rope_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation, a.blocks,
+                            a.rotary_dim, a.table_width, a.column_axis, a.mat_a, a.mat_b);
+          }
+          return py::cast(std::move(out));
+        });
+      },
+      py::arg("fallback"), "rome::rope's eager entry (eager.cpp); `fallback`: the op's");
+  m.def(
+      "_eager_rope_",
+      [](py::object fallback) {
+        return py::cpp_function([fallback](py::args args, py::kwargs kwargs) -> py::object {
+          RopeArgs a;
+          if (!a.read(args, kwargs)) {
+            ++fallback_calls;
+            return fallback(*args, **kwargs);
+          }
+          ++direct_calls;
+          {
+            MaybeReleaseGil gil(a);
+            rope_inplace_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation,
+                              a.blocks, a.rotary_dim, a.table_width, a.column_axis, a.mat_a,
+                              a.mat_b);
+          }
+          bump_unless_inference(*a.q);
+          if (a.k) bump_unless_inference(*a.k);
+          return py::none();
+        });
+      },
+      py::arg("fallback"), "rome::rope_'s eager entry (eager.cpp); `fallback`: the op's");
+  m.def(
+      "_eager_counts",
+      [] {
+        return std::pair{direct_calls, fallback_calls};
+      },
+      "(calls run by the eager entries themselves, calls handed to the op) on this thread");
+}
+
+}  // namespace rome_torch

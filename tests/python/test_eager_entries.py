@@ -1,0 +1,297 @@
+"""The drop-ins' eager entries of rome::rope and rome::rope_ (bindings/torch/eager.cpp).
+
+They run the CPU kernel's call straight from C++ when nothing but it would have run through the
+dispatcher, and hand every other call to the op. Checked here: the same bits as the op on every
+ISA for the calls they take (the op's own numbers are checked against fp64 elsewhere), that they
+take them (the entries' per-thread counters), and that every call the op must see goes to it —
+autograd, subclasses and their __torch_function__, torch function and dispatch modes, the
+profiler, functorch, conjugate views, keyword arguments, arguments of other types — with the op's
+results and errors; in place, version counters as the op bumps them and bad input leaving q and
+k untouched.
+"""
+
+import pytest
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import rome
+from rome import _C, ops
+
+ROPE = ops._EAGER_ROPE
+ROPE_ = ops._EAGER_ROPE_
+OP = torch.ops.rome.rope.default
+OP_ = torch.ops.rome.rope_.default
+
+
+def _counts():
+    return _C._eager_counts()
+
+
+def _took(fn):
+    """(calls run directly, calls handed to the op) while fn ran, and fn's result."""
+    d0, f0 = _counts()
+    out = fn()
+    d1, f1 = _counts()
+    return (d1 - d0, f1 - f0), out
+
+
+def _case(dtype=torch.bfloat16, rotation="half", width="full", S=5, H=3, D=64, k_heads=2,
+          positions=False):
+    q = torch.randn(2, H, S, D).to(dtype)
+    k = torch.randn(2, k_heads, S, D).to(dtype) if k_heads else None
+    w = {"full": D, "halves": D // 2, "pairs": D // 2}[width]
+    rows = 11 if positions else S
+    cos, sin = torch.randn(rows, w), torch.randn(rows, w)
+    pos = torch.randint(0, rows, (2, 1, S)) if positions else None
+    return q, k, cos, sin, pos, rotation, (), -1, width, (), None, None
+
+
+CASES = {
+    "half bf16 q+k": {},
+    "interleave pairs fp16": dict(dtype=torch.float16, rotation="interleave", width="pairs"),
+    "half halves fp32 q only": dict(dtype=torch.float32, width="halves", k_heads=0),
+    "positions": dict(positions=True),
+    "one token": dict(S=1, H=32, D=128, k_heads=8),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_direct_calls_match_the_op_bit_for_bit(isa, name):
+    args = _case(**CASES[name])
+    (direct, handed), (q_out, k_out) = _took(lambda: ROPE(*args))
+    assert (direct, handed) == (1, 0)
+    want_q, want_k = OP(*args)
+    assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+    assert q_out.data_ptr() != args[0].data_ptr()
+
+    q, k = args[0].clone(), None if args[1] is None else args[1].clone()
+    before = q._version
+    (direct, handed), result = _took(lambda: ROPE_(q, k, *args[2:]))
+    assert (direct, handed) == (1, 0) and result is None
+    assert torch.equal(q, want_q) and (k is None or torch.equal(k, want_k))
+    assert q._version == before + 1  # as the op's ADInplaceOrView kernel bumps it
+
+
+def test_direct_calls_under_no_grad_and_inference_mode():
+    q, k, *rest = _case()
+    q.requires_grad_(True)
+    with torch.no_grad():
+        (direct, handed), (q_out, _) = _took(lambda: ROPE(q, k, *rest))
+    assert (direct, handed) == (1, 0) and q_out.grad_fn is None and not q_out.requires_grad
+    with torch.inference_mode():
+        qi, ki = q.detach().clone(), k.clone()
+        (direct, handed), _ = _took(lambda: ROPE_(qi, ki, *rest))
+        assert (direct, handed) == (1, 0)
+        assert torch.equal(qi, OP(q.detach(), k, *rest)[0])
+
+
+def test_gradients_go_to_the_op():
+    q, k, cos, sin, *rest = _case(dtype=torch.float32)
+    q.requires_grad_(True)
+    cos.requires_grad_(True)
+    (direct, handed), (q_out, k_out) = _took(lambda: ROPE(q, k, cos, sin, *rest))
+    assert (direct, handed) == (0, 1) and q_out.grad_fn is not None
+    q_out.sum().backward()
+    want_q = q.detach().requires_grad_(True)
+    want_cos = cos.detach().requires_grad_(True)
+    OP(want_q, k, want_cos, sin, *rest)[0].sum().backward()
+    assert torch.equal(q.grad, want_q.grad) and torch.equal(cos.grad, want_cos.grad)
+    # In place with a gradient to record: the op's error.
+    with pytest.raises(NotImplementedError, match="inference only"):
+        ROPE_(q, k, cos, sin, *rest)
+
+
+class _Tagged(torch.Tensor):
+    seen = []
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.seen.append(func)
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+class _FunctionLog(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+class _DispatchLog(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_subclasses_and_modes_see_the_op():
+    args = _case()
+    want = OP(*args)[0]
+    tagged = args[0].as_subclass(_Tagged)
+    _Tagged.seen.clear()
+    (direct, handed), out = _took(lambda: ROPE(tagged, *args[1:]))
+    assert (direct, handed) == (0, 1) and OP in _Tagged.seen
+    assert torch.equal(out[0].as_subclass(torch.Tensor), want)
+
+    with _FunctionLog() as log:
+        (direct, handed), out = _took(lambda: ROPE(*args))
+    assert (direct, handed) == (0, 1) and OP in log.seen and torch.equal(out[0], want)
+
+    with _DispatchLog() as log:
+        (direct, handed), out = _took(lambda: ROPE(*args))
+    assert (direct, handed) == (0, 1) and OP in log.seen and torch.equal(out[0], want)
+
+    q = args[0].clone()
+    with _DispatchLog() as log:
+        (direct, handed), _ = _took(lambda: ROPE_(q, None, *args[2:]))
+    assert (direct, handed) == (0, 1) and OP_ in log.seen
+
+
+def test_the_profiler_records_the_op():
+    args = _case()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        (direct, handed), _ = _took(lambda: ROPE(*args))
+    assert (direct, handed) == (0, 1)
+    assert any(e.name == "rome::rope" for e in prof.events())
+
+
+def test_conjugate_views_and_functorch_go_to_the_op():
+    # A complex table cannot reach the op's real kernel; a conjugated real view of one can be
+    # made with view_as_real(conj) only after resolve_conj, so test the key itself: a negative-bit
+    # view (what conj of a real-viewed tensor leaves) is not a plain CPU tensor.
+    q, k, cos, sin, *rest = _case(dtype=torch.float32)
+    neg = torch._neg_view(sin)
+    assert neg.is_neg()
+    (direct, handed), out = _took(lambda: ROPE(q, k, cos, neg, *rest))
+    assert (direct, handed) == (0, 1)
+    assert torch.equal(out[0], OP(q, k, cos, -sin, *rest)[0])
+
+    def one(x):
+        return ROPE(x, None, cos, sin, *rest)[0]
+
+    batched = torch.randn(2, *q.shape)
+    d0, f0 = _counts()
+    try:
+        got = torch.vmap(one)(batched)
+    except Exception as e:  # the op has no batching rule: its error, never the direct call's
+        assert "rome" in str(e) or "vmap" in str(e) or "batch" in str(e).lower(), e
+    else:
+        assert torch.equal(got, torch.stack([OP(b, None, cos, sin, *rest)[0] for b in batched]))
+    d1, f1 = _counts()
+    assert d1 == d0 and f1 > f0
+
+
+def test_tracers_record_the_op():
+    """torch.jit.trace (its dispatch key) and torch.fx (proxies) see rome::rope through the
+    public rome.ops.rope, which takes the eager entry outside torch.compile."""
+    q, _, cos, sin, *_ = _case(dtype=torch.float32, k_heads=0)
+
+    def f(q, cos, sin):
+        return ops.rope(q, None, cos, sin)[0]
+
+    d0, _ = _counts()
+    traced = torch.jit.trace(f, (q, cos, sin), check_trace=False)
+    assert _counts()[0] == d0
+    assert "rome::rope" in [n.kind() for n in traced.graph.nodes()]
+    assert torch.equal(traced(q, cos, sin), OP(q, None, cos, sin)[0])
+    assert "torch.ops.rome.rope.default" in torch.fx.symbolic_trace(f).code
+    (direct, handed), out = _took(lambda: f(q, cos, sin))
+    assert (direct, handed) == (1, 0) and torch.equal(out, OP(q, None, cos, sin)[0])
+
+
+def test_other_argument_forms_go_to_the_op():
+    q, k, cos, sin, pos, rotation, blocks, rd, width, axis, a, b = _case()
+    want = OP(q, k, cos, sin)[0]
+    # Keyword arguments, lists, fewer arguments: the op parses them.
+    for call in (
+            lambda: ROPE(q, k, cos, sin, pos, rotation, blocks, rd, width, axis, a, mat_b=b),
+            lambda: ROPE(q, k, cos, sin),
+    ):
+        (direct, handed), out = _took(call)
+        assert (direct, handed) == (0, 1) and torch.equal(out[0], want)
+    (direct, handed), out = _took(
+        lambda: ROPE(q, k, cos, sin, pos, rotation, [], rd, width, [], a, b))
+    assert (direct, handed) == (1, 0) and torch.equal(out[0], want)
+    # Arguments of the wrong type: the op's TypeError-like error, whatever torch raises for it.
+    for bad in ((q, k, cos, sin, pos, 1, blocks, rd, width, axis, a, b),
+                (q, k, cos, sin, pos, rotation, blocks, 1.5, width, axis, a, b),
+                (q, k, cos, sin, pos, rotation, blocks, True, width, axis, a, b),
+                (q, k, cos, sin, pos, rotation, (1.0,), rd, width, axis, a, b),
+                (q.numpy() if q.dtype == torch.float32 else 3, k, cos, sin, pos, rotation,
+                 blocks, rd, width, axis, a, b)):
+        with pytest.raises(Exception) as direct_error:
+            ROPE(*bad)
+        with pytest.raises(Exception) as op_error:
+            OP(*bad)
+        assert type(direct_error.value) is type(op_error.value)
+        assert str(direct_error.value) == str(op_error.value)
+
+
+def test_bad_input_gives_the_ops_error_and_writes_nothing():
+    q, k, cos, sin, *rest = _case()
+    short = cos[:, :-2]
+    for fn, op in ((ROPE, OP), (ROPE_, OP_)):
+        q_in, k_in = q.clone(), k.clone()
+        with pytest.raises(ValueError) as direct_error:
+            fn(q_in, k_in, short, sin, *rest)
+        with pytest.raises(ValueError) as op_error:
+            op(q.clone(), k.clone(), short, sin, *rest)
+        assert str(direct_error.value) == str(op_error.value)
+        assert "cos" in str(direct_error.value)
+        assert torch.equal(q_in, q) and torch.equal(k_in, k)
+    # A position past the table: IndexError, q and k untouched.
+    q, k, cos, sin, pos, *rest = _case(positions=True)
+    pos = pos.clone()
+    pos[0, 0, 0] = cos.shape[0]
+    q_in, k_in = q.clone(), k.clone()
+    with pytest.raises(IndexError):
+        ROPE_(q_in, k_in, cos, sin, pos, *rest)
+    assert torch.equal(q_in, q) and torch.equal(k_in, k)
+
+
+def test_long_calls_let_other_threads_run():
+    """Calls above 64 KiB release the GIL as the op does: another Python thread keeps running
+    through one. With the GIL held, the other thread stops for the whole kernel: a gap between
+    its ticks as long as the call."""
+    import threading
+    import time
+
+    q = torch.randn(1, 16, 8192, 128)  # 64 MiB: milliseconds a call on one thread
+    cos, sin = torch.randn(8192, 128), torch.randn(8192, 128)
+    ticks = []
+    stop = threading.Event()
+
+    def ticker():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    rome.set_num_threads(1)  # the other core is the ticker's
+    thread = threading.Thread(target=ticker)
+    thread.start()
+    through = False
+    try:
+        while not ticks:
+            time.sleep(0.001)
+        for _ in range(5):
+            t0 = time.perf_counter()
+            (direct, _), _ = _took(lambda: ROPE_(q, None, cos, sin, None, "half", (), -1, "full",
+                                                 (), None, None))
+            t1 = time.perf_counter()
+            assert direct == 1
+            inside = [t0] + [t for t in ticks[-200000:] if t0 < t < t1] + [t1]
+            longest_gap = max(b - a for a, b in zip(inside, inside[1:]))
+            if longest_gap < 0.5 * (t1 - t0):
+                through = True
+                break
+    finally:
+        stop.set()
+        thread.join()
+        rome.set_num_threads(0)  # back to torch's count
+    assert through
