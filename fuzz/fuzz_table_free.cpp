@@ -16,8 +16,10 @@
 //    rome::Error and every buffer is byte-identical to before;
 //  * valid: rope_forward succeeds, and its bytes equal the same call through direct fp32 tables
 //    built here, lane by lane, from rome::exact_cos_sin_rows (the fp32 cos/sin the table-free
-//    executor must compute), run through the scalar kernel on one thread: bit for bit.
+//    executor must compute), run through the scalar kernel on one thread: bit for bit; and
+//    those cos/sin within 3e-7 · amplitude of cos/sin of the exact angle in fp64.
 // Any other exception, crash or sanitizer report is a bug.
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
@@ -38,6 +40,43 @@ using fuzzing::Reader;
 
 [[noreturn]] void bug(const std::string& what) {
   fuzzing::report_bug("fuzz_table_free", what);
+}
+
+// cos and sin of position × frequency in double from the exact product (hi + lo, lo from an
+// fma: p and f are doubles, |p·f| < 2^50 so |lo| <= 2^-4) by the angle-sum formulas: glibc's
+// cos/sin reduce any double exactly, and sin(lo) ~ lo is where the fp32 angle of other RoPE
+// code loses its digits. Errors ~1e-16, far below the 3e-7 bound checked.
+void cos_sin_fp64(std::int64_t position, double frequency, double& c, double& s) {
+  const double p = double(position);  // |position| < 2^41 here: exact
+  const double hi = p * frequency, lo = std::fma(p, frequency, -hi);
+  const double ch = std::cos(hi), sh = std::sin(hi), cl = std::cos(lo), sl = std::sin(lo);
+  c = ch * cl - sh * sl;
+  s = sh * cl + ch * sl;
+}
+
+// exact_cos_sin_rows (half layout: columns i and i + n) against the fp64 angle: the library's
+// table-free cos/sin, which the rest of the oracle takes as given, within 3e-7 · amplitude
+// (issue 16's bound on fp32 outputs; an fp32 angle is off by 1e-4 past position 10^5).
+void check_against_fp64(std::int64_t position, const std::vector<double>& frequencies,
+                        double amplitude, const std::vector<float>& c_row,
+                        const std::vector<float>& s_row) {
+  const std::size_t n = frequencies.size();
+  const double bound = 3e-7 * std::max(1.0, std::fabs(amplitude));
+  for (std::size_t i = 0; i < n; ++i) {
+    double c = 0, s = 0;
+    cos_sin_fp64(position, frequencies[i], c, s);
+    const double dc = std::fabs(double(c_row[i]) - amplitude * c);
+    const double ds = std::fabs(double(s_row[i]) - amplitude * s);
+    const bool halves_equal = c_row[i] == c_row[i + n] && s_row[i] == s_row[i + n];
+    if (!(dc <= bound && ds <= bound && halves_equal)) {
+      char what[200];
+      std::snprintf(what, sizeof what,
+                    "exact_cos_sin_rows is off the fp64 angle at position %lld, frequency %.17g: "
+                    "cos error %.3g, sin error %.3g, halves equal %d",
+                    static_cast<long long>(position), frequencies[i], dc, ds, int(halves_equal));
+      bug(what);
+    }
+  }
 }
 
 // Does the fuzzer reach valid calls as well as rejected ones?
@@ -349,6 +388,7 @@ int run(const std::uint8_t* data, std::size_t size) {
     for (i64 a = 0; a < (multi_axis ? axes : 1); ++a) {
       const std::int64_t p = position_of(positions, pos_shape, x_rows, r, multi_axis ? a : -1);
       exact_cos_sin_rows({&p, 1}, frequencies, amplitude, false, c_row.data(), s_row.data());
+      check_against_fp64(p, frequencies, amplitude, c_row, s_row);
       for (i64 j = 0; j < rd; ++j) {
         const i64 pair = pair_of_lane[j];
         if (multi_axis && column_axis[pair] != a) continue;
