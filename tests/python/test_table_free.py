@@ -599,8 +599,9 @@ def test_hf_mrope_rotary_module_patched_is_exact(kind):
 
 
 # --------------------------------------------------------------------------------------------
-# Property test: random rotations, shapes, broadcasts, dtypes, positions (negative, huge) and
-# strided views against the fp64 reference; random corruptions must raise and write nothing.
+# Property test: random rotations, layouts (BSND, BNSD, packed tokens), GQA k, MRoPE position
+# axes, dtypes, positions (negative, huge) and strided views against the fp64 reference; random
+# corruptions must raise and write nothing.
 
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
@@ -625,28 +626,49 @@ def test_property_table_free_matches_reference(data):
         inv = inv * 1e-3  # keep |position × frequency| below 2^50
     amplitude = data.draw(st.sampled_from([1.0, 0.5, 1.3]))
     strided = data.draw(st.booleans())
-    # BSND ([B, S, H, D], positions [B, S, 1]) or BNSD ([B, H, S, D], positions [B, 1, S]); k
-    # with its own head count (GQA) rotates in the same call, or is absent.
-    bnsd = data.draw(st.booleans())
+    # BSND ([B, S, H, D], positions [B, S, 1]), BNSD ([B, H, S, D], positions [B, 1, S]) or
+    # packed tokens ([B·S, H, D], positions [B·S, 1]); k with its own head count (GQA) rotates
+    # in the same call, or is absent.
+    layout = data.draw(st.sampled_from(["bsnd", "bnsd", "packed"]))
     k_heads = data.draw(st.sampled_from([0, 1, heads]))
+    # MRoPE: one more trailing positions axis (t, h, w, ...), each frequency reading one of them.
+    axes = data.draw(st.sampled_from([0, 0, 2, 3]))
+    column_axis = [data.draw(st.integers(0, axes - 1)) for _ in range(rd // 2)] if axes else []
+    if axes:
+        positions = torch.stack([positions + 5 * a for a in range(axes)], -1)
 
     def operand(h):
-        shape = (batch, h, tokens) if bnsd else (batch, tokens, h)
+        shape = {"bsnd": (batch, tokens, h), "bnsd": (batch, h, tokens),
+                 "packed": (batch * tokens, h)}[layout]
         base = torch.randn(*shape, D + (16 if strided else 0)).to(dtype)
         return base[..., :D] if strided else base
 
     x = operand(heads)
     k = operand(k_heads) if k_heads else None
-    if bnsd:
-        positions = positions.view(batch, 1, tokens)
+    tail = positions.shape[3:]  # the MRoPE axis
+    if layout == "bnsd":
+        positions = positions.view(batch, 1, tokens, *tail)
+    elif layout == "packed":
+        positions = positions.view(batch * tokens, 1, *tail)
 
     def expected(t):
-        return reference(t, positions.expand(*t.shape[:-1]), inv, rotation, rd, blocks,
-                         amplitude)
+        if not axes:
+            return reference(t, positions.expand(*t.shape[:-1]), inv, rotation, rd, blocks,
+                             amplitude)
+        # Each lane's angle from its frequency's axis (the documented pairing, per block).
+        lanes = torch.tensor(lane_frequency(rotation, rd, blocks))
+        per_lane = torch.tensor(column_axis)[lanes]
+        pb = positions.expand(*t.shape[:-1], axes)[..., per_lane].double()
+        angle = pb * inv.double()[lanes]
+        c, s = amplitude * torch.cos(angle), amplitude * torch.sin(angle)
+        xd = t.double()
+        xa, xb = rotate_b(xd[..., :rd], rotation, blocks)
+        return torch.cat([xa * c + xb * s, xd[..., rd:]], -1)
 
+    extra = dict(column_axis=column_axis) if axes else {}
     if limit == 2**40:  # the fp64 reference angle is off by up to 2^-14 there: compare loosely
         y, _ = rome.ops.rope_from_positions(x, None, positions, inv, rotation, blocks, rd,
-                                            amplitude)
+                                            amplitude, **extra)
         assert (y.double() - expected(x)).abs().max() < 5e-2
         return
     in_place = data.draw(st.booleans())
@@ -654,11 +676,12 @@ def test_property_table_free_matches_reference(data):
         y = x.clone() if not strided else x
         yk = None if k is None else (k.clone() if not strided else k)
         want, want_k = expected(y), None if k is None else expected(yk)
-        rome.ops.rope_from_positions_(y, yk, positions, inv, rotation, blocks, rd, amplitude)
+        rome.ops.rope_from_positions_(y, yk, positions, inv, rotation, blocks, rd, amplitude,
+                                      **extra)
     else:
         want, want_k = expected(x), None if k is None else expected(k)
         y, yk = rome.ops.rope_from_positions(x, k, positions, inv, rotation, blocks, rd,
-                                             amplitude)
+                                             amplitude, **extra)
     close(y, want, dtype)
     if k is not None:
         close(yk, want_k, dtype)
@@ -673,12 +696,13 @@ def test_property_table_free_matches_reference(data):
         args["inv_freq"] = torch.where(torch.arange(len(inv)) == 0, math.nan, inv)
     elif bad == "float_positions":
         args["positions"] = positions.double()
-    else:
-        args["positions"] = torch.zeros(  # one token too many
-            *((batch, 1, tokens + 1) if bnsd else (batch, tokens + 1, 1)), dtype=torch.long)
+    else:  # one token too many
+        grown = list(positions.shape)
+        grown[{"bsnd": 1, "bnsd": 2, "packed": 0}[layout]] += 1
+        args["positions"] = torch.zeros(grown, dtype=torch.long)
     with pytest.raises((ValueError, IndexError)):
         rome.ops.rope_from_positions_(z, zk, args["positions"], args["inv_freq"], rotation,
-                                      blocks, rd, amplitude)
+                                      blocks, rd, amplitude, **extra)
     assert torch.equal(z, z0)
     if k is not None:
         assert torch.equal(zk, zk0)
