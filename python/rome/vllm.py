@@ -48,6 +48,42 @@ def rotary_embedding(
                          rope_dim_offset, inverse)
 
 
+def _frequencies_of(module, rotary_dim: int) -> Tuple[torch.Tensor, float]:
+    """(inv_freq, amplitude) of a vLLM rotary module, checked against its own cache."""
+    cache = module.cos_sin_cache
+    compute = getattr(module, "_compute_inv_freq", None)
+    try:
+        inv_freq = compute(module.base).detach().to(torch.float32).reshape(-1)
+    except Exception as e:  # no such method, another signature, ...
+        raise ValueError(
+            "rome.vllm.RotaryEmbedding.from_module: table_free: expected a module whose "
+            "_compute_inv_freq(base) gives its frequencies, got "
+            f"{type(module).__name__} ({type(e).__name__}: {e}); keep its cache "
+            "(table_free=False)") from None
+    if inv_freq.numel() != rotary_dim // 2 or cache.dim() != 2 or cache.shape[1] != rotary_dim:
+        raise ValueError(
+            "rome.vllm.RotaryEmbedding.from_module: table_free: expected rotary_dim / 2 = "
+            f"{rotary_dim // 2} frequencies and a cache [P, {rotary_dim}], got "
+            f"{inv_freq.numel()} and {list(cache.shape)}")
+    amplitude = float(cache[0, 0])
+    rows = min(int(cache.shape[0]), 256)
+    cos, sin = rome_tables.cos_sin(torch.arange(rows), inv_freq, "half", amplitude)
+    h = rotary_dim // 2
+    built = torch.cat([cos[:, :h], sin[:, :h]], -1)
+    # The module's fp32 angles are off by up to rows·|f|·2^-24 (~1.5e-5 here), plus its dtype's
+    # rounding; a cache of other frequencies or another scale is off by far more.
+    eps = torch.finfo(cache.dtype).eps
+    tolerance = abs(amplitude) * (4 * rows * 2.0 ** -24 + 2 * eps)
+    error = float((built - cache[:rows].float()).abs().max())
+    if not error <= tolerance:
+        raise ValueError(
+            "rome.vllm.RotaryEmbedding.from_module: table_free: expected the module's cache to "
+            "hold cos/sin of _compute_inv_freq(base) (scaled by its row 0), got an error of "
+            f"{error:.3g} (> {tolerance:.3g}) in its first {rows} rows: {type(module).__name__} "
+            "builds its cache from other frequencies; keep its cache (table_free=False)")
+    return inv_freq, amplitude
+
+
 class RotaryEmbedding(torch.nn.Module):
     """vLLM's ``RotaryEmbedding`` layer on RoME.
 
@@ -88,6 +124,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.dtype = dtype
         self.table_free = bool(table_free)
         self.cos_sin_cache: Optional[torch.Tensor]
+        self.amplitude = 1.0  # table_free: vLLM's plain cache has none
         if self.table_free:
             self.register_buffer("inv_freq", self._compute_inv_freq(base), persistent=False)
             self.cos_sin_cache = None
@@ -96,11 +133,18 @@ class RotaryEmbedding(torch.nn.Module):
             self.register_buffer("cos_sin_cache", cache, persistent=False)
 
     @classmethod
-    def from_module(cls, module) -> "RotaryEmbedding":
+    def from_module(cls, module, table_free: bool = False) -> "RotaryEmbedding":
         """Wraps an existing vLLM ``RotaryEmbedding`` (any object with ``head_size``,
         ``rotary_dim``, ``max_position_embeddings``, ``base``, ``is_neox_style`` and
         ``cos_sin_cache``): shares its cache, so scaled variants (YaRN, Llama-3.1, ...) whose
-        cache vLLM built keep working."""
+        cache vLLM built keep working.
+
+        ``table_free=True`` keeps no cache: the frequencies are the module's own
+        (``module._compute_inv_freq(module.base)``, vLLM's fp32 values) and the amplitude its
+        cache's row 0 (YaRN's mscale). They are checked against the module's cache first (rows
+        up to 256, within the fp32 angle's error there), so a variant whose cache comes from other
+        frequencies (YaRN, dynamic NTK, a Llama-3.1 subclass without that method) raises
+        ``ValueError`` instead of rotating by other angles; keep its cache then."""
         self = cls.__new__(cls)
         torch.nn.Module.__init__(self)
         self.head_size = int(module.head_size)
@@ -109,8 +153,15 @@ class RotaryEmbedding(torch.nn.Module):
         self.base = getattr(module, "base", None)
         self.is_neox_style = bool(module.is_neox_style)
         self.dtype = module.cos_sin_cache.dtype
-        self.table_free = False
-        self.register_buffer("cos_sin_cache", module.cos_sin_cache, persistent=False)
+        self.table_free = bool(table_free)
+        self.amplitude = 1.0
+        if not self.table_free:
+            self.register_buffer("cos_sin_cache", module.cos_sin_cache, persistent=False)
+            return self
+        inv_freq, amplitude = _frequencies_of(module, self.rotary_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.amplitude = amplitude
+        self.cos_sin_cache = None
         return self
 
     def _compute_inv_freq(self, base: float) -> torch.Tensor:
@@ -125,7 +176,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def get_cos_sin(self, seqlen: int) -> Tuple[torch.Tensor, torch.Tensor]:
         if self.table_free:
-            cos, sin = rome_tables.cos_sin(torch.arange(seqlen), self.inv_freq, "half")
+            cos, sin = rome_tables.cos_sin(torch.arange(seqlen), self.inv_freq, "half",
+                                           self.amplitude)
             h = self.rotary_dim // 2
             return cos[:, :h].to(self.dtype), sin[:, :h].to(self.dtype)
         cos, sin = self.cos_sin_cache[:seqlen].chunk(2, dim=-1)
@@ -142,7 +194,8 @@ class RotaryEmbedding(torch.nn.Module):
 
         rotation = "half" if self.is_neox_style else "interleave"
         ops.rope_from_positions_(heads(query), heads(key), positions.unsqueeze(-1), self.inv_freq,
-                                 rotation=rotation, rotary_dim=self.rotary_dim, inverse=inverse)
+                                 rotation=rotation, rotary_dim=self.rotary_dim,
+                                 amplitude=self.amplitude, inverse=inverse)
 
     def _rotate(self, positions, query, key, offsets, inverse=False):
         if offsets is not None:  # older vLLM versions: positions + offsets

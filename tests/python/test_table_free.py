@@ -397,6 +397,69 @@ def test_vllm_table_free_mode(isa, neox):
     assert not torch.equal(x[..., 128:], x0[..., 128:])
 
 
+class _YarnLike(torch.nn.Module):
+    """A vLLM rotary module whose cache holds other frequencies than _compute_inv_freq(base)
+    gives, scaled by mscale (as vLLM's YaRN builds it: its _compute_inv_freq takes the scaling
+    factor)."""
+
+    def __init__(self, mscale, scale_frequencies):
+        super().__init__()
+        self.head_size, self.rotary_dim, self.base, self.is_neox_style = 128, 64, 10000.0, True
+        inv = self._compute_inv_freq(self.base)
+        if scale_frequencies:
+            inv = torch.where(torch.arange(32) >= 16, inv / 8, inv)
+        ang = torch.arange(4096, dtype=torch.float)[:, None] * inv
+        self.cos_sin_cache = torch.cat([ang.cos() * mscale, ang.sin() * mscale], -1)
+
+    def _compute_inv_freq(self, base):
+        return 1.0 / (base ** (torch.arange(0, self.rotary_dim, 2, dtype=torch.float)
+                               / self.rotary_dim))
+
+
+@pytest.mark.parametrize("neox", [True, False])
+def test_vllm_from_module_table_free(isa, neox):
+    """from_module(table_free=True) keeps no cache, rotates by the module's own frequencies and
+    amplitude exactly (any position), and refuses a module whose cache says otherwise."""
+    import rome.vllm
+
+    layer = rome.vllm.RotaryEmbedding(128, 64, 4096, 500000.0, neox, torch.bfloat16)
+    free = rome.vllm.RotaryEmbedding.from_module(layer, table_free=True)
+    assert free.cos_sin_cache is None and free.table_free and free.amplitude == 1.0
+    assert torch.equal(free.inv_freq, layer._compute_inv_freq(500000.0))
+    qkv = torch.randn(6, 3 * 4 * 128).bfloat16()
+    q, k = qkv[:, :512], qkv[:, 512:1024]
+    pos = torch.tensor([0, 5, 4095, 10**6, 10**7, 17])  # past the module's cache too
+    yq, yk = free.forward_native(pos, q, k)
+    rotation = "half" if neox else "interleave"
+    inv = free.inv_freq.double()
+    close(yq.view(6, 4, 128), reference(q.view(6, 4, 128), pos[:, None].expand(6, 4), inv,
+                                        rotation, 64), torch.bfloat16)
+    close(yk.view(6, 4, 128), reference(k.view(6, 4, 128), pos[:, None].expand(6, 4), inv,
+                                        rotation, 64), torch.bfloat16)
+    # Inside the cache, the module's own (cached, fp32-angle) rotation within bf16 rounding.
+    small = pos[pos < 4096]
+    mine, _ = free.forward_native(small, q[: len(small)])
+    theirs, _ = layer.forward_native(small, q[: len(small)])
+    assert (mine.float() - theirs.float()).abs().max() <= 0.03 * theirs.float().abs().max()
+    # A YaRN-style mscale on the same frequencies: the amplitude.
+    scaled = _YarnLike(1.25, False)
+    free = rome.vllm.RotaryEmbedding.from_module(scaled, table_free=True)
+    assert free.amplitude == 1.25
+    x = torch.randn(3, 2, 128)
+    y, _ = free.forward_native(torch.tensor([1, 300, 2 * 10**6]), x.clone())
+    close(y, reference(x, torch.tensor([1, 300, 2 * 10**6])[:, None].expand(3, 2),
+                       free.inv_freq.double(), "half", 64, amplitude=1.25), torch.float32)
+    # Other frequencies in the cache, or no frequencies to take: ValueError, nothing built.
+    with pytest.raises(ValueError, match="other frequencies"):
+        rome.vllm.RotaryEmbedding.from_module(_YarnLike(1.0, True), table_free=True)
+    bare = _YarnLike(1.0, False)
+    bare._compute_inv_freq = None
+    with pytest.raises(ValueError, match="_compute_inv_freq"):
+        rome.vllm.RotaryEmbedding.from_module(bare, table_free=True)
+    # The default still shares the cache.
+    assert rome.vllm.RotaryEmbedding.from_module(scaled).cos_sin_cache is scaled.cos_sin_cache
+
+
 def test_cos_sin_op_opcheck_and_errors(isa):
     inv = llama_inv_freq(64)
     opcheck(torch.ops.rome.cos_sin.default, (torch.randint(0, 10**6, (3, 5)), inv, "pairs", 0.5, torch.bfloat16))
