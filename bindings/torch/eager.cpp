@@ -156,19 +156,28 @@ struct MaybeReleaseGil {
   PyThreadState* state = nullptr;
 };
 
+// An entry: `run(args)` (the GIL let go for long calls) where the call is the fast path's, else
+// `fallback(*args, **kwargs)`.
+template <typename Run>
+py::cpp_function rope_entry(py::object fallback, Run run) {
+  return py::cpp_function([fallback, run](py::args args, py::kwargs kwargs) -> py::object {
+    RopeArgs a;
+    if (!a.read(args, kwargs)) {
+      ++fallback_calls;
+      return fallback(*args, **kwargs);
+    }
+    ++direct_calls;
+    return run(a);
+  });
+}
+
 }  // namespace
 
 void add_eager_entries(py::module_& m) {
   m.def(
       "_eager_rope",
       [](py::object fallback) {
-        return py::cpp_function([fallback](py::args args, py::kwargs kwargs) -> py::object {
-          RopeArgs a;
-          if (!a.read(args, kwargs)) {
-            ++fallback_calls;
-            return fallback(*args, **kwargs);
-          }
-          ++direct_calls;
+        return rope_entry(std::move(fallback), [](const RopeArgs& a) {
           std::tuple<Tensor, Tensor> out;
           {
             MaybeReleaseGil gil(a);
@@ -182,22 +191,16 @@ void add_eager_entries(py::module_& m) {
   m.def(
       "_eager_rope_",
       [](py::object fallback) {
-        return py::cpp_function([fallback](py::args args, py::kwargs kwargs) -> py::object {
-          RopeArgs a;
-          if (!a.read(args, kwargs)) {
-            ++fallback_calls;
-            return fallback(*args, **kwargs);
-          }
-          ++direct_calls;
+        return rope_entry(std::move(fallback), [](const RopeArgs& a) {
           {
             MaybeReleaseGil gil(a);
             rope_inplace_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation,
                               a.blocks, a.rotary_dim, a.table_width, a.column_axis, a.mat_a,
                               a.mat_b);
           }
-          bump_unless_inference(*a.q);
+          bump_unless_inference(*a.q);  // as the op's ADInplaceOrView kernel
           if (a.k) bump_unless_inference(*a.k);
-          return py::none();
+          return py::object(py::none());
         });
       },
       py::arg("fallback"), "rome::rope_'s eager entry (eager.cpp); `fallback`: the op's");
