@@ -76,7 +76,7 @@ def test_save_writes_csv_and_png(tmp_path):
         return {"key": key, "title": title, "seq": 64, "dtype": "bfloat16", "threads": 2,
                 "layers": 1, "patched": True, "torch_s": 0.5, "rome_s": 0.4, "speedup_pct": 25.0,
                 "rope_s_torch": 0.05, "rope_s_rome": 0.01,
-                "rope_share_torch": None if inline else 0.1, "max_rel_diff": 1e-2,
+                "rope_share_torch": 0.1, "rope_inline": inline, "max_rel_diff": 1e-2,
                 "torch_error_vs_fp32": 1e-2, "rome_error_vs_fp32": 1e-2}
 
     res = {"rows": [row("a", "Model A (x)"), row("w", "Wan (y)", inline=True),
@@ -92,7 +92,8 @@ def test_save_writes_csv_and_png(tmp_path):
         lines = list(csv.DictReader(f))
     assert [r["key"] for r in lines] == ["a", "w", "b"]
     assert float(lines[0]["torch_ms"]) == 500.0 and float(lines[0]["rome_ms"]) == 400.0
-    assert lines[1]["rope_ms_torch"] == ""  # inline RoPE: not measured
+    assert float(lines[1]["rope_ms_torch"]) == 50.0 and lines[1]["rope_inline"] == "True"
+    assert "| 10.00%* | 50.00* / 10.00 ms |" in paths["md"].read_text()  # inline: an estimate
     assert lines[2]["error"] == "ValueError: no" and lines[2]["torch_ms"] == ""
 
 
@@ -126,3 +127,35 @@ def test_fp32_columns_say_when_not_run():
     assert models._fp32_errors(row) == f"not run (S > {models.FP32_CHECK_MAX_SEQ})"
     row = {"torch_error_vs_fp32": 1e-2, "rome_error_vs_fp32": 2e-2}
     assert models._fp32_errors(row) == "1.0e-02 / 2.0e-02"
+
+
+@pytest.mark.one_isa
+def test_wan_inline_rope_timer_sees_the_rotated_tensors():
+    """The Wan row's RoPE time without RoME: the hooks keep q and k of every self-attention (as
+    the processor splits them into heads) and the tables, and the transcribed inline formula on
+    them gives what the processor's own rotation gives (RoME's Wan processor, the same math)."""
+    need_module("diffusers")
+    from diffusers import WanTransformer3DModel
+
+    import rome.diffusers
+
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2,
+                                  attention_head_dim=32, in_channels=4, out_channels=4,
+                                  text_dim=16, freq_dim=16, ffn_dim=32, num_layers=2,
+                                  cross_attn_norm=True, qk_norm="rms_norm_across_heads",
+                                  eps=1e-6, rope_max_seq_len=64).eval()
+    inputs = dict(hidden_states=torch.randn(1, 4, 2, 4, 4), timestep=torch.tensor([10]),
+                  encoder_hidden_states=torch.randn(1, 3, 16), return_dict=False)
+    timer = models._InlineRopeTimer(model)
+    with torch.no_grad(), timer.active():
+        model(**inputs)
+    assert len(timer.rotated) == 4 and timer.seconds() > 0  # q and k of 2 blocks
+    assert not model.rope._forward_hooks and not model.blocks[0].attn1.norm_q._forward_hooks
+    cos, sin = timer.tables
+    for x in timer.rotated:
+        assert x.shape == (1, 2 * 2 * 2, 2, 32)  # [B, S, heads, head_dim]
+        want = rome.ops.rope(x, None, cos[..., 0::2], sin[..., 1::2], rotation="interleave",
+                             table_width="pairs")[0]
+        torch.testing.assert_close(models._wan_inline_rope(x, cos, sin), want, rtol=1e-5,
+                                   atol=1e-5)

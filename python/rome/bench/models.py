@@ -7,7 +7,8 @@ one input; then one decode row (a 2-layer Llama-3.1-8B-shaped model generating 3
 Per model: forward time without and with RoME (``rome.hf.patch_model`` or the rome.diffusers
 drop-in; timed alternately, median), RoPE's share of the unpatched forward (the time spent inside
 the modeling module's RoPE function and the rotary embedding module, measured by wrapping them in
-a timed run of its own; not for Wan, whose RoPE is inline in its attention processor), the
+a timed run of its own; for Wan, whose RoPE is inline in its attention processor, the rotary
+module plus a transcribed copy of the inline rotation re-run on the same q and k), the
 speed-up, and the largest output difference relative to the largest output.
 
 :func:`save` writes models.{md,json,csv,png} (the chart: time per layer or block without and with
@@ -318,8 +319,63 @@ FP32_CHECK_MAX_SEQ = 2048
 # The shortest scaled length: Qwen2-VL's positions hold 16 text tokens and an 8 x 8 image from 81.
 _MIN_SEQ = 81
 
-# Models whose RoPE diffusers computes inline (no function to time): RoPE's share without RoME
-# is not measured (the rotary module's table time alone would understate it).
+def _wan_inline_rope(hidden_states, freqs_cos, freqs_sin):
+    """The rotation diffusers' WanAttnProcessor.__call__ defines inline (its nested
+    apply_rotary_emb in transformer_wan.py, transcribed): it cannot be wrapped and timed where it
+    runs, so _InlineRopeTimer runs this copy on the same q, k and tables."""
+    x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
+    cos = freqs_cos[..., 0::2]
+    sin = freqs_sin[..., 1::2]
+    out = torch.empty_like(hidden_states)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(hidden_states)
+
+
+class _InlineRopeTimer:
+    """RoPE that a model computes inline (Wan): forward hooks keep the tensors its self-attention
+    rotates (the outputs of attn1.norm_q / norm_k, split into heads as the processor does) and the
+    rotary module's tables; after the forward, `seconds()` times the transcribed formula on them,
+    one call per tensor as the processor makes them. An estimate of the inline time (the same
+    ops on the same tensors, in a separate run), not a measurement inside the forward."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.rotated = []
+        self.tables = None
+        self.hooks = []
+
+    @contextlib.contextmanager
+    def active(self):
+        def keep(heads):
+            return lambda module, args, out: self.rotated.append(out.unflatten(2, (heads, -1)))
+
+        def tables(module, args, out):
+            self.tables = out
+
+        self.hooks.append(self.model.rope.register_forward_hook(tables))
+        for block in self.model.blocks:
+            attn = block.attn1  # self-attention: the one handed rotary_emb
+            self.hooks.append(attn.norm_q.register_forward_hook(keep(attn.heads)))
+            self.hooks.append(attn.norm_k.register_forward_hook(keep(attn.heads)))
+        try:
+            yield self
+        finally:
+            for h in self.hooks:
+                h.remove()
+            self.hooks = []
+
+    def seconds(self) -> float:
+        total = 0.0
+        for x in self.rotated:
+            t0 = time.perf_counter()
+            _wan_inline_rope(x, *self.tables)
+            total += time.perf_counter() - t0
+        return total
+
+
+# Models whose RoPE diffusers computes inline (no function to wrap): without RoME its time is
+# the rotary module's plus _InlineRopeTimer's estimate of the inline rotation.
 _ROPE_INLINE = {"wan21_1_3b"}
 
 
@@ -405,11 +461,13 @@ def model_row(spec, seq: int, dtype: torch.dtype, repeats: int, threads: int) ->
         for name in ("torch", "rome"):
             with patch(model) if name == "rome" else contextlib.nullcontext(False) as patched:
                 timer = _RopeTimer(model, module_name, function)
-                with timer.active():
+                inline = _InlineRopeTimer(model) if name == "torch" and key in _ROPE_INLINE else None
+                with timer.active(), (inline.active() if inline else contextlib.nullcontext()):
                     t0 = time.perf_counter()
                     _output(model, inputs)
                     total = time.perf_counter() - t0
-            rope[name] = {"rope_s": timer.seconds, "forward_s": total, "calls": timer.calls,
+                rope_s = timer.seconds + (inline.seconds() if inline else 0.0)
+            rope[name] = {"rope_s": rope_s, "forward_s": total, "calls": timer.calls,
                           "patched": patched}
         # The same model in fp32, unpatched: how far each bf16 output is from it. RoME and torch
         # round RoPE differently (RoME once, torch after every small op), and a layer's bf16
@@ -432,8 +490,8 @@ def model_row(spec, seq: int, dtype: torch.dtype, repeats: int, threads: int) ->
         "patched": bool(rope["rome"]["patched"]) and rope["rome"]["calls"] > 0,
         "torch_s": t_torch, "rome_s": t_rome, "speedup_pct": (t_torch / t_rome - 1) * 100,
         "rope_s_torch": rope["torch"]["rope_s"], "rope_s_rome": rope["rome"]["rope_s"],
-        "rope_share_torch": (None if key in _ROPE_INLINE
-                             else rope["torch"]["rope_s"] / rope["torch"]["forward_s"]),
+        "rope_share_torch": rope["torch"]["rope_s"] / rope["torch"]["forward_s"],
+        "rope_inline": key in _ROPE_INLINE,
         "max_rel_diff": (with_rome.float() - reference.float()).abs().max().item() / scale,
         "torch_error_vs_fp32": (None if exact is None
                                 else (reference.float() - exact).abs().max().item() / exact_scale),
@@ -546,15 +604,19 @@ def markdown(res: Dict, png_name: Optional[str] = None) -> str:
             lines.append(f"| {r['title']} | {r['seq']} | {r['threads']} | failed: {r['error']} "
                          "| | | | | | | |")
             continue
-        inline = r["rope_share_torch"] is None
-        share = "inline, not timed" if inline else f"{r['rope_share_torch'] * 100:.2f}%"
-        rope_torch = "n/a" if inline else f"{r['rope_s_torch'] * 1e3:.2f}"
+        inline = "*" if r.get("rope_inline") else ""
+        share = f"{r['rope_share_torch'] * 100:.2f}%{inline}"
+        rope_torch = f"{r['rope_s_torch'] * 1e3:.2f}{inline}"
         lines.append(
             f"| {r['title']} | {_tokens_vs_seed(r)} | {r['threads']} | {r['torch_s'] * 1e3:.1f} ms | "
             f"{r['rome_s'] * 1e3:.1f} ms | {r['speedup_pct']:+.1f}% | {share} | {rope_torch} / "
             f"{r['rope_s_rome'] * 1e3:.2f} ms | {r['max_rel_diff']:.1e} | "
             f"{_fp32_errors(r)} | "
             f"{'yes' if r['patched'] else 'NO'} |")
+    if any(r.get("rope_inline") for r in res["rows"] if "error" not in r):
+        lines += ["", "\\* RoPE inline in the model's attention processor (Wan): its time without "
+                  "RoME is the rotary module's plus the inline formula (transcribed) re-run after "
+                  "the forward on the q and k the forward rotated, an estimate."]
     if png_name:
         lines += ["", f"![time per layer or block without and with RoME]({png_name})"]
     d = res["decode"]
@@ -574,8 +636,8 @@ def markdown(res: Dict, png_name: Optional[str] = None) -> str:
 
 
 CSV_FIELDS = ["key", "title", "seq", "tokens", "dtype", "threads", "layers", "patched", "torch_ms", "rome_ms",
-              "speedup_pct", "rope_share_torch", "rope_ms_torch", "rope_ms_rome", "max_rel_diff",
-              "torch_error_vs_fp32", "rome_error_vs_fp32", "error"]
+              "speedup_pct", "rope_share_torch", "rope_inline", "rope_ms_torch", "rope_ms_rome",
+              "max_rel_diff", "torch_error_vs_fp32", "rome_error_vs_fp32", "error"]
 
 
 def write_csv(res: Dict, path: Path) -> None:
@@ -588,8 +650,6 @@ def write_csv(res: Dict, path: Path) -> None:
             for name, key in (("torch_ms", "torch_s"), ("rome_ms", "rome_s"),
                               ("rope_ms_torch", "rope_s_torch"), ("rope_ms_rome", "rope_s_rome")):
                 line[name] = None if r.get(key) is None else r[key] * 1e3
-            if r.get("rope_share_torch") is None:
-                line["rope_ms_torch"] = None  # inline RoPE: the table time alone would mislead
             w.writerow(line)
 
 
