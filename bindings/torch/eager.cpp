@@ -1,11 +1,12 @@
-// Eager entries of rome::rope and rome::rope_ for the drop-ins' calls outside torch.compile.
+// Eager entries of rome::rope, rope_, rope_from_positions and rope_from_positions_ for calls
+// outside torch.compile (rome.ops' wrappers and the drop-ins).
 //
 // A custom op called from Python goes through torch's generic path: each argument checked for
 // __torch_function__, converted to an IValue against the schema, then the dispatcher's Autograd,
 // ADInplaceOrView and CPU kernels. For one decode token that path is most of the call (5-6.5 µs
 // here, 2.6-3.1 µs through this entry, a torch.add of the same q 1.9-2.9 µs; the kernel itself
-// under 1 µs). The entries here take the CPU kernel's own call (rope_call, the same function the
-// CPU kernel runs) when nothing else would have run on the way to it, and hand every other call
+// under 1 µs). The entries here make the CPU kernels' own calls (rope_call, ...: calls.hpp) when
+// nothing else would have run on the way to them, and hand every other call
 // to the op itself (`fallback`, with the same arguments), so their results, errors, autograd and
 // version counters are the op's:
 //   - every tensor argument is exactly torch.Tensor (no subclass and its __torch_function__), a
@@ -98,6 +99,23 @@ struct Reader {
     return overflow == 0 && !(out == -1 && PyErr_Occurred());
   }
   bool integer(int64_t& out) { return integer(take(), out); }
+  bool real(double& out) {  // a float (or an int, which the schema's float takes)
+    PyObject* o = take();
+    int64_t i = 0;
+    if (PyFloat_CheckExact(o)) {
+      out = PyFloat_AS_DOUBLE(o);
+      return true;
+    }
+    if (!integer(o, i)) return false;
+    out = double(i);
+    return true;
+  }
+  bool flag(bool& out) {
+    PyObject* o = take();
+    if (!PyBool_Check(o)) return false;
+    out = o == Py_True;
+    return true;
+  }
   bool integers(c10::SmallVector<int64_t, 8>& out) {
     PyObject* o = take();
     if (!PyTuple_CheckExact(o) && !PyList_CheckExact(o)) return false;
@@ -133,6 +151,28 @@ struct RopeArgs {
   }
 };
 
+// rope_from_positions / rope_from_positions_'s: (q, k, positions, inv_freq, rotation, blocks,
+// rotary_dim, amplitude, column_axis, inverse).
+struct FromPositionsArgs {
+  const Tensor* q = nullptr;
+  const Tensor* positions = nullptr;
+  const Tensor* inv_freq = nullptr;
+  std::optional<Tensor> k;
+  c10::string_view rotation;
+  c10::SmallVector<int64_t, 8> blocks, column_axis;
+  int64_t rotary_dim = -1;
+  double amplitude = 1.0;
+  bool inverse = false;
+
+  bool read(const py::args& args, const py::kwargs& kwargs) {
+    if (args.size() != 10 || kwargs.size() != 0 || !thread_is_plain()) return false;
+    Reader r{args};
+    return r.tensor(q) && r.optional_tensor(k) && r.tensor(positions) && r.tensor(inv_freq) &&
+           r.text(rotation) && r.integers(blocks) && r.integer(rotary_dim) && r.real(amplitude) &&
+           r.integers(column_axis) && r.flag(inverse);
+  }
+};
+
 void bump_unless_inference(const Tensor& t) {
   if (!t.is_inference()) torch::autograd::impl::bump_version(t);
 }
@@ -145,7 +185,8 @@ thread_local int64_t direct_calls = 0, fallback_calls = 0;
 constexpr int64_t kReleaseGilBytes = int64_t(1) << 16;
 
 struct MaybeReleaseGil {
-  explicit MaybeReleaseGil(const RopeArgs& a)
+  template <typename Args>
+  explicit MaybeReleaseGil(const Args& a)
       : released(a.q->nbytes() + (a.k ? a.k->nbytes() : 0) > kReleaseGilBytes) {
     if (released) state = PyEval_SaveThread();
   }
@@ -158,10 +199,10 @@ struct MaybeReleaseGil {
 
 // An entry: `run(args)` (the GIL let go for long calls) where the call is the fast path's, else
 // `fallback(*args, **kwargs)`.
-template <typename Run>
-py::cpp_function rope_entry(py::object fallback, Run run) {
+template <typename Args, typename Run>
+py::cpp_function entry(py::object fallback, Run run) {
   return py::cpp_function([fallback, run](py::args args, py::kwargs kwargs) -> py::object {
-    RopeArgs a;
+    Args a;
     if (!a.read(args, kwargs)) {
       ++fallback_calls;
       return fallback(*args, **kwargs);
@@ -177,7 +218,7 @@ void add_eager_entries(py::module_& m) {
   m.def(
       "_eager_rope",
       [](py::object fallback) {
-        return rope_entry(std::move(fallback), [](const RopeArgs& a) {
+        return entry<RopeArgs>(std::move(fallback), [](const RopeArgs& a) {
           std::tuple<Tensor, Tensor> out;
           {
             MaybeReleaseGil gil(a);
@@ -191,7 +232,7 @@ void add_eager_entries(py::module_& m) {
   m.def(
       "_eager_rope_",
       [](py::object fallback) {
-        return rope_entry(std::move(fallback), [](const RopeArgs& a) {
+        return entry<RopeArgs>(std::move(fallback), [](const RopeArgs& a) {
           {
             MaybeReleaseGil gil(a);
             rope_inplace_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation,
@@ -204,6 +245,37 @@ void add_eager_entries(py::module_& m) {
         });
       },
       py::arg("fallback"), "rome::rope_'s eager entry (eager.cpp); `fallback`: the op's");
+  m.def(
+      "_eager_rope_from_positions",
+      [](py::object fallback) {
+        return entry<FromPositionsArgs>(std::move(fallback), [](const FromPositionsArgs& a) {
+          std::tuple<Tensor, Tensor> out;
+          {
+            MaybeReleaseGil gil(a);
+            out = rope_from_positions_call(Mode::run, *a.q, a.k, *a.positions, *a.inv_freq,
+                                           a.rotation, a.blocks, a.rotary_dim, a.amplitude,
+                                           a.column_axis, a.inverse);
+          }
+          return py::cast(std::move(out));
+        });
+      },
+      py::arg("fallback"), "rome::rope_from_positions's eager entry (eager.cpp)");
+  m.def(
+      "_eager_rope_from_positions_",
+      [](py::object fallback) {
+        return entry<FromPositionsArgs>(std::move(fallback), [](const FromPositionsArgs& a) {
+          {
+            MaybeReleaseGil gil(a);
+            rope_from_positions_inplace_call(Mode::run, *a.q, a.k, *a.positions, *a.inv_freq,
+                                             a.rotation, a.blocks, a.rotary_dim, a.amplitude,
+                                             a.column_axis, a.inverse);
+          }
+          bump_unless_inference(*a.q);
+          if (a.k) bump_unless_inference(*a.k);
+          return py::object(py::none());
+        });
+      },
+      py::arg("fallback"), "rome::rope_from_positions_'s eager entry (eager.cpp)");
   m.def(
       "_eager_counts",
       [] {

@@ -47,6 +47,10 @@ def _eager_entry(overload):
 # tuple is not a new object for the garbage collector to count).
 _EAGER_ROPE = _C._eager_rope(_eager_entry(torch.ops.rome.rope.default))
 _EAGER_ROPE_ = _C._eager_rope_(_eager_entry(torch.ops.rome.rope_.default))
+_EAGER_FROM_POSITIONS = _C._eager_rope_from_positions(
+    _eager_entry(torch.ops.rome.rope_from_positions.default))
+_EAGER_FROM_POSITIONS_ = _C._eager_rope_from_positions_(
+    _eager_entry(torch.ops.rome.rope_from_positions_.default))
 
 
 def _broadcasts_to(shape, target) -> bool:
@@ -320,7 +324,9 @@ def rope_from_positions(
     Returns ``(q_out, k_out)``; ``k_out`` is an empty tensor when ``k`` is None. Autograd flows
     to q and k (the gradient is the transposed rotation), not to ``inv_freq``.
     """
-    return torch.ops.rome.rope_from_positions.default(
+    entry = (torch.ops.rome.rope_from_positions.default if torch.compiler.is_compiling()
+             else _EAGER_FROM_POSITIONS)
+    return entry(
         q, k, positions, inv_freq, rotation, _int_list(blocks), int(rotary_dim), float(amplitude),
         _int_list(column_axis), bool(inverse),
     )
@@ -339,7 +345,9 @@ def rope_from_positions_(
     inverse: bool = False,
 ) -> None:
     """In-place :func:`rope_from_positions` (inference only)."""
-    torch.ops.rome.rope_from_positions_.default(
+    entry = (torch.ops.rome.rope_from_positions_.default if torch.compiler.is_compiling()
+             else _EAGER_FROM_POSITIONS_)
+    entry(
         q, k, positions, inv_freq, rotation, _int_list(blocks), int(rotary_dim), float(amplitude),
         _int_list(column_axis), bool(inverse),
     )

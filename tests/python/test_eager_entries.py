@@ -1,4 +1,5 @@
-"""The drop-ins' eager entries of rome::rope and rome::rope_ (bindings/torch/eager.cpp).
+"""The eager entries of rome::rope, rope_, rope_from_positions and rope_from_positions_
+(bindings/torch/eager.cpp), which rome.ops' wrappers and the drop-ins call outside torch.compile.
 
 They run the CPU kernel's call straight from C++ when nothing but it would have run through the
 dispatcher, and hand every other call to the op. Checked here: the same bits as the op on every
@@ -295,3 +296,71 @@ def test_long_calls_let_other_threads_run():
         thread.join()
         rome.set_num_threads(0)  # back to torch's count
     assert through
+
+
+FREE = ops._EAGER_FROM_POSITIONS
+FREE_ = ops._EAGER_FROM_POSITIONS_
+FREE_OP = torch.ops.rome.rope_from_positions.default
+FREE_OP_ = torch.ops.rome.rope_from_positions_.default
+
+
+def _free_case(dtype=torch.bfloat16, rotation="half", axes=0):
+    q = torch.randn(2, 3, 5, 64).to(dtype)
+    k = torch.randn(2, 1, 5, 64).to(dtype)
+    inv = 1.0 / 500000.0 ** (torch.arange(0, 64, 2, dtype=torch.float64) / 64)
+    positions = torch.tensor([0, 7, 4095, 10**6, 10**7])
+    column_axis = ()
+    if axes:
+        positions = torch.stack([positions + a for a in range(axes)], -1)
+        column_axis = tuple(i % axes for i in range(32))
+    return q, k, positions, inv, rotation, (), -1, 1.25, column_axis, False
+
+
+@pytest.mark.parametrize("form", ["half", "interleave", "mrope", "inverse", "int amplitude"])
+def test_table_free_entries_match_the_op(isa, form):
+    args = list(_free_case(rotation="interleave" if form == "interleave" else "half",
+                           axes=3 if form == "mrope" else 0))
+    if form == "inverse":
+        args[-1] = True
+    if form == "int amplitude":
+        args[7] = 2
+    (direct, handed), (q_out, k_out) = _took(lambda: FREE(*args))
+    assert (direct, handed) == (1, 0)
+    want_q, want_k = FREE_OP(*args)
+    assert torch.equal(q_out, want_q) and torch.equal(k_out, want_k)
+    q, k = args[0].clone(), args[1].clone()
+    before = (q._version, k._version)
+    (direct, handed), _ = _took(lambda: FREE_(q, k, *args[2:]))
+    assert (direct, handed) == (1, 0)
+    assert torch.equal(q, want_q) and torch.equal(k, want_k)
+    assert (q._version, k._version) == (before[0] + 1, before[1] + 1)
+
+
+def test_table_free_entries_hand_the_rest_to_the_op():
+    q, k, positions, inv, *rest = _free_case(dtype=torch.float32)
+    q.requires_grad_(True)
+    (direct, handed), (q_out, _) = _took(lambda: FREE(q, k, positions, inv, *rest))
+    assert (direct, handed) == (0, 1) and q_out.grad_fn is not None
+    with _DispatchLog() as log:
+        (direct, handed), _ = _took(lambda: FREE(q.detach(), k, positions, inv, *rest))
+    assert (direct, handed) == (0, 1) and FREE_OP in log.seen
+    # Keywords, a bool amplitude, an int inverse: the op parses (or refuses) them.
+    for call in (lambda: FREE(q.detach(), k, positions, inv, "half", (), -1, 1.25, (),
+                              inverse=False),
+                 lambda: FREE(q.detach(), k, positions, inv, "half", (), -1, True, (), False),
+                 lambda: FREE(q.detach(), k, positions, inv, "half", (), -1, 1.25, (), 0)):
+        d0, f0 = _counts()
+        try:
+            call()
+        except Exception:
+            pass
+        assert _counts()[0] == d0 and _counts()[1] == f0 + 1
+    # Bad input: the op's error, q and k untouched.
+    q0, k0 = q.detach().clone(), k.clone()
+    q1, k1 = q0.clone(), k0.clone()
+    with pytest.raises(ValueError) as direct_error:
+        FREE_(q1, k1, positions, inv[:-1], *rest)
+    with pytest.raises(ValueError) as op_error:
+        FREE_OP_(q0.clone(), k0.clone(), positions, inv[:-1], *rest)
+    assert str(direct_error.value) == str(op_error.value)
+    assert torch.equal(q1, q0) and torch.equal(k1, k0)
