@@ -433,14 +433,8 @@ def test_diffusers_wan_3d(dtype):
     s_len = freqs_cos.shape[1]
     x = torch.randn(1, s_len, 2, 128).to(dtype)
 
-    def wan_processor_rope(hidden_states, freqs_cos, freqs_sin):
-        x1, x2 = hidden_states.unflatten(-1, (-1, 2)).unbind(-1)
-        cos = freqs_cos[..., 0::2]
-        sin = freqs_sin[..., 1::2]
-        out = torch.empty_like(hidden_states)
-        out[..., 0::2] = x1 * cos - x2 * sin
-        out[..., 1::2] = x1 * sin + x2 * cos
-        return out.type_as(hidden_states)
+    # The transcription the models bench times Wan's inline RoPE with (checked here too).
+    from rome.bench.models import _wan_inline_rope as wan_processor_rope
 
     cos, sin = freqs_cos[0, :, 0], freqs_sin[0, :, 0]
     out = rome.diffusers.apply_rotary_emb(x, (cos, sin), sequence_dim=1)
