@@ -1,4 +1,4 @@
-// Eager entries of rome::rope, rope_, rope_from_positions and rope_from_positions_ for calls
+// Eager entries of rome::rope, rope_, rope_from_positions(_) and rotary_embedding for calls
 // outside torch.compile (rome.ops' wrappers and the drop-ins).
 //
 // A custom op called from Python goes through torch's generic path: each argument checked for
@@ -149,6 +149,7 @@ struct RopeArgs {
            r.integer(rotary_dim) && r.text(table_width) && r.integers(column_axis) &&
            r.optional_tensor(mat_a) && r.optional_tensor(mat_b);
   }
+  int64_t bytes() const { return int64_t(q->nbytes() + (k ? k->nbytes() : 0)); }
 };
 
 // rope_from_positions / rope_from_positions_'s: (q, k, positions, inv_freq, rotation, blocks,
@@ -171,6 +172,27 @@ struct FromPositionsArgs {
            r.text(rotation) && r.integers(blocks) && r.integer(rotary_dim) && r.real(amplitude) &&
            r.integers(column_axis) && r.flag(inverse);
   }
+  int64_t bytes() const { return int64_t(q->nbytes() + (k ? k->nbytes() : 0)); }
+};
+
+// rotary_embedding's (vLLM's contract, in place): (positions, query, key, head_size,
+// cos_sin_cache, is_neox, rope_dim_offset, inverse).
+struct RotaryEmbeddingArgs {
+  const Tensor* positions = nullptr;
+  const Tensor* query = nullptr;
+  const Tensor* cos_sin_cache = nullptr;
+  std::optional<Tensor> key;
+  int64_t head_size = 0, rope_dim_offset = 0;
+  bool is_neox = true, inverse = false;
+
+  bool read(const py::args& args, const py::kwargs& kwargs) {
+    if (args.size() != 8 || kwargs.size() != 0 || !thread_is_plain()) return false;
+    Reader r{args};
+    return r.tensor(positions) && r.tensor(query) && r.optional_tensor(key) &&
+           r.integer(head_size) && r.tensor(cos_sin_cache) && r.flag(is_neox) &&
+           r.integer(rope_dim_offset) && r.flag(inverse);
+  }
+  int64_t bytes() const { return int64_t(query->nbytes() + (key ? key->nbytes() : 0)); }
 };
 
 void bump_unless_inference(const Tensor& t) {
@@ -186,8 +208,7 @@ constexpr int64_t kReleaseGilBytes = int64_t(1) << 16;
 
 struct MaybeReleaseGil {
   template <typename Args>
-  explicit MaybeReleaseGil(const Args& a)
-      : released(a.q->nbytes() + (a.k ? a.k->nbytes() : 0) > kReleaseGilBytes) {
+  explicit MaybeReleaseGil(const Args& a) : released(a.bytes() > kReleaseGilBytes) {
     if (released) state = PyEval_SaveThread();
   }
   ~MaybeReleaseGil() {
@@ -276,6 +297,21 @@ void add_eager_entries(py::module_& m) {
         });
       },
       py::arg("fallback"), "rome::rope_from_positions_'s eager entry (eager.cpp)");
+  m.def(
+      "_eager_rotary_embedding",
+      [](py::object fallback) {
+        return entry<RotaryEmbeddingArgs>(std::move(fallback), [](const RotaryEmbeddingArgs& a) {
+          {
+            MaybeReleaseGil gil(a);
+            rotary_embedding_call(Mode::run, *a.positions, *a.query, a.key, a.head_size,
+                                  *a.cos_sin_cache, a.is_neox, a.rope_dim_offset, a.inverse);
+          }
+          bump_unless_inference(*a.query);
+          if (a.key) bump_unless_inference(*a.key);
+          return py::object(py::none());
+        });
+      },
+      py::arg("fallback"), "rome::rotary_embedding's eager entry (eager.cpp)");
   m.def(
       "_eager_counts",
       [] {

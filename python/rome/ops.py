@@ -51,6 +51,8 @@ _EAGER_FROM_POSITIONS = _C._eager_rope_from_positions(
     _eager_entry(torch.ops.rome.rope_from_positions.default))
 _EAGER_FROM_POSITIONS_ = _C._eager_rope_from_positions_(
     _eager_entry(torch.ops.rome.rope_from_positions_.default))
+_EAGER_ROTARY_EMBEDDING = _C._eager_rotary_embedding(
+    _eager_entry(torch.ops.rome.rotary_embedding.default))
 
 
 def _broadcasts_to(shape, target) -> bool:
@@ -213,9 +215,10 @@ def rotary_embedding(
         inverse: rotate by −θ (the sine negated, no new table): undoes a forward call with the
             same positions up to rounding.
     """
-    torch.ops.rome.rotary_embedding.default(positions, query, key, int(head_size),
-                                            cos_sin_cache, bool(is_neox), int(rope_dim_offset),
-                                            bool(inverse))
+    entry = (torch.ops.rome.rotary_embedding.default if torch.compiler.is_compiling()
+             else _EAGER_ROTARY_EMBEDDING)
+    entry(positions, query, key, int(head_size), cos_sin_cache, bool(is_neox),
+          int(rope_dim_offset), bool(inverse))
 
 
 def fused_qk_norm_rope(
