@@ -1,5 +1,5 @@
-// Eager entries of rome::rope, rope_, rope_from_positions(_) and rotary_embedding for calls
-// outside torch.compile (rome.ops' wrappers and the drop-ins).
+// Eager entries of rome::rope, rope_, rope_from_positions(_), rotary_embedding and the fused
+// passes for calls outside torch.compile (rome.ops' wrappers and the drop-ins).
 //
 // A custom op called from Python goes through torch's generic path: each argument checked for
 // __torch_function__, converted to an IValue against the schema, then the dispatcher's Autograd,
@@ -195,6 +195,58 @@ struct RotaryEmbeddingArgs {
   int64_t bytes() const { return int64_t(query->nbytes() + (key ? key->nbytes() : 0)); }
 };
 
+// fused_qk_norm_rope's (in place on qkv): (qkv, num_heads_q, num_heads_k, num_heads_v,
+// head_dim, eps, q_weight, k_weight, cos_sin_cache, is_neox, position_ids, gemma_norm).
+struct FusedQkNormRopeArgs {
+  const Tensor* qkv = nullptr;
+  const Tensor* q_weight = nullptr;
+  const Tensor* k_weight = nullptr;
+  const Tensor* cos_sin_cache = nullptr;
+  const Tensor* position_ids = nullptr;
+  int64_t heads_q = 0, heads_k = 0, heads_v = 0, head_dim = 0;
+  double eps = 0;
+  bool is_neox = true, gemma_norm = false;
+
+  bool read(const py::args& args, const py::kwargs& kwargs) {
+    if (args.size() != 12 || kwargs.size() != 0 || !thread_is_plain()) return false;
+    Reader r{args};
+    return r.tensor(qkv) && r.integer(heads_q) && r.integer(heads_k) && r.integer(heads_v) &&
+           r.integer(head_dim) && r.real(eps) && r.tensor(q_weight) && r.tensor(k_weight) &&
+           r.tensor(cos_sin_cache) && r.flag(is_neox) && r.tensor(position_ids) &&
+           r.flag(gemma_norm);
+  }
+  int64_t bytes() const { return int64_t(qkv->nbytes()); }
+};
+
+// rotary_embedding_with_cache's (query, key, key_cache, value_cache written): (positions, query,
+// key, value, head_size, cos_sin_cache, is_neox, key_cache, value_cache, slot_mapping, q_weight,
+// k_weight, eps, gemma_norm).
+struct RopeWithCacheArgs {
+  const Tensor* positions = nullptr;
+  const Tensor* query = nullptr;
+  const Tensor* key = nullptr;
+  const Tensor* value = nullptr;
+  const Tensor* cos_sin_cache = nullptr;
+  const Tensor* key_cache = nullptr;
+  const Tensor* value_cache = nullptr;
+  const Tensor* slot_mapping = nullptr;
+  std::optional<Tensor> q_weight, k_weight;
+  int64_t head_size = 0;
+  double eps = 0;
+  bool is_neox = true, gemma_norm = false;
+
+  bool read(const py::args& args, const py::kwargs& kwargs) {
+    if (args.size() != 14 || kwargs.size() != 0 || !thread_is_plain()) return false;
+    Reader r{args};
+    return r.tensor(positions) && r.tensor(query) && r.tensor(key) && r.tensor(value) &&
+           r.integer(head_size) && r.tensor(cos_sin_cache) && r.flag(is_neox) &&
+           r.tensor(key_cache) && r.tensor(value_cache) && r.tensor(slot_mapping) &&
+           r.optional_tensor(q_weight) && r.optional_tensor(k_weight) && r.real(eps) &&
+           r.flag(gemma_norm);
+  }
+  int64_t bytes() const { return int64_t(query->nbytes() + key->nbytes() + value->nbytes()); }
+};
+
 void bump_unless_inference(const Tensor& t) {
   if (!t.is_inference()) torch::autograd::impl::bump_version(t);
 }
@@ -312,6 +364,38 @@ void add_eager_entries(py::module_& m) {
         });
       },
       py::arg("fallback"), "rome::rotary_embedding's eager entry (eager.cpp)");
+  m.def(
+      "_eager_fused_qk_norm_rope",
+      [](py::object fallback) {
+        return entry<FusedQkNormRopeArgs>(std::move(fallback), [](const FusedQkNormRopeArgs& a) {
+          {
+            MaybeReleaseGil gil(a);
+            fused_qk_norm_rope_call(Mode::run, *a.qkv, a.heads_q, a.heads_k, a.heads_v, a.head_dim,
+                                    a.eps, *a.q_weight, *a.k_weight, *a.cos_sin_cache, a.is_neox,
+                                    *a.position_ids, a.gemma_norm);
+          }
+          bump_unless_inference(*a.qkv);
+          return py::object(py::none());
+        });
+      },
+      py::arg("fallback"), "rome::fused_qk_norm_rope's eager entry (eager.cpp)");
+  m.def(
+      "_eager_rotary_embedding_with_cache",
+      [](py::object fallback) {
+        return entry<RopeWithCacheArgs>(std::move(fallback), [](const RopeWithCacheArgs& a) {
+          {
+            MaybeReleaseGil gil(a);
+            rotary_embedding_with_cache_call(Mode::run, *a.positions, *a.query, *a.key, *a.value,
+                                             a.head_size, *a.cos_sin_cache, a.is_neox, *a.key_cache,
+                                             *a.value_cache, *a.slot_mapping, a.q_weight,
+                                             a.k_weight, a.eps, a.gemma_norm);
+          }
+          for (const Tensor* t : {a.query, a.key, a.key_cache, a.value_cache})
+            bump_unless_inference(*t);
+          return py::object(py::none());
+        });
+      },
+      py::arg("fallback"), "rome::rotary_embedding_with_cache's eager entry (eager.cpp)");
   m.def(
       "_eager_counts",
       [] {

@@ -53,6 +53,10 @@ _EAGER_FROM_POSITIONS_ = _C._eager_rope_from_positions_(
     _eager_entry(torch.ops.rome.rope_from_positions_.default))
 _EAGER_ROTARY_EMBEDDING = _C._eager_rotary_embedding(
     _eager_entry(torch.ops.rome.rotary_embedding.default))
+_EAGER_FUSED_QK_NORM_ROPE = _C._eager_fused_qk_norm_rope(
+    _eager_entry(torch.ops.rome.fused_qk_norm_rope.default))
+_EAGER_ROPE_WITH_CACHE = _C._eager_rotary_embedding_with_cache(
+    _eager_entry(torch.ops.rome.rotary_embedding_with_cache.default))
 
 
 def _broadcasts_to(shape, target) -> bool:
@@ -240,10 +244,10 @@ def fused_qk_norm_rope(
     (``(1 + w)`` with ``gemma_norm``), in fp32, then rotated (``cos_sin_cache`` [max_pos, rot]
     = cat(cos, sin); rot < head_dim: the other lanes are normalised, not rotated) and rounded
     once. v is untouched. Positions outside the cache raise before anything is written."""
-    torch.ops.rome.fused_qk_norm_rope.default(qkv, int(num_heads_q), int(num_heads_k),
-                                              int(num_heads_v), int(head_dim), float(eps),
-                                              q_weight, k_weight, cos_sin_cache, bool(is_neox),
-                                              position_ids, bool(gemma_norm))
+    entry = (torch.ops.rome.fused_qk_norm_rope.default if torch.compiler.is_compiling()
+             else _EAGER_FUSED_QK_NORM_ROPE)
+    entry(qkv, int(num_heads_q), int(num_heads_k), int(num_heads_v), int(head_dim), float(eps),
+          q_weight, k_weight, cos_sin_cache, bool(is_neox), position_ids, bool(gemma_norm))
 
 
 def rotary_embedding_with_cache(
@@ -269,11 +273,10 @@ def rotary_embedding_with_cache(
     ``q_weight`` and ``k_weight`` the heads are RMS-normalised first (QK-norm, as
     :func:`fused_qk_norm_rope`). A slot outside the cache or used twice raises before anything
     is written."""
-    torch.ops.rome.rotary_embedding_with_cache.default(positions, query, key, value,
-                                                       int(head_size), cos_sin_cache,
-                                                       bool(is_neox), key_cache, value_cache,
-                                                       slot_mapping, q_weight, k_weight,
-                                                       float(eps), bool(gemma_norm))
+    entry = (torch.ops.rome.rotary_embedding_with_cache.default if torch.compiler.is_compiling()
+             else _EAGER_ROPE_WITH_CACHE)
+    entry(positions, query, key, value, int(head_size), cos_sin_cache, bool(is_neox), key_cache,
+          value_cache, slot_mapping, q_weight, k_weight, float(eps), bool(gemma_norm))
 
 
 def apply_rotary_emb_interleaved(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""The eager entries of rome::rope, rope_, rope_from_positions and rope_from_positions_
-(bindings/torch/eager.cpp), which rome.ops' wrappers and the drop-ins call outside torch.compile.
+"""The eager entries of rome::rope, rope_, rope_from_positions(_), rotary_embedding and the fused
+passes (bindings/torch/eager.cpp), which rome.ops' wrappers and the drop-ins call outside
+torch.compile.
 
 They run the CPU kernel's call straight from C++ when nothing but it would have run through the
 dispatcher, and hand every other call to the op. Checked here: the same bits as the op on every
@@ -444,3 +445,77 @@ def test_rotary_embedding_entry_hands_the_rest_to_the_op():
     layer = rome.vllm.RotaryEmbedding(64, 64, 64, 10000.0, True, torch.float32)
     (direct, handed), _ = _took(lambda: layer(positions, query, key))
     assert (direct, handed) == (1, 0)
+
+
+FUSED = ops._EAGER_FUSED_QK_NORM_ROPE
+FUSED_OP = torch.ops.rome.fused_qk_norm_rope.default
+WITH_CACHE = ops._EAGER_ROPE_WITH_CACHE
+WITH_CACHE_OP = torch.ops.rome.rotary_embedding_with_cache.default
+
+
+def _fused_case(dtype=torch.bfloat16, tokens=5):
+    hq, hk, hv, d = 4, 2, 2, 64
+    qkv = torch.randn(tokens, (hq + hk + hv) * d).to(dtype)
+    inv = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    angle = torch.arange(32, dtype=torch.float64)[:, None] * inv
+    cache = torch.cat([angle.cos(), angle.sin()], -1).float()
+    weight_q = (1 + 0.1 * torch.randn(d)).to(dtype)
+    weight_k = (1 + 0.1 * torch.randn(d)).to(dtype)
+    positions = torch.randint(0, 32, (tokens,))
+    return qkv, (hq, hk, hv, d), weight_q, weight_k, cache, positions
+
+
+@pytest.mark.parametrize("gemma", [False, True])
+def test_fused_entries_match_the_op(isa, gemma):
+    qkv, (hq, hk, hv, d), wq, wk, cache, positions = _fused_case()
+    mine, theirs = qkv.clone(), qkv.clone()
+    args = (hq, hk, hv, d, 1e-6, wq, wk, cache, True, positions, gemma)
+    (direct, handed), _ = _took(lambda: FUSED(mine, *args))
+    assert (direct, handed) == (1, 0)
+    FUSED_OP(theirs, *args)
+    assert torch.equal(mine, theirs) and not torch.equal(mine, qkv) and mine._version == 1
+
+    # RoPE + paged cache write, with and without QK-norm; slot -1: rotated, not stored.
+    query, key, value = (t.contiguous() for t in qkv.split([hq * d, hk * d, hv * d], -1))
+    slots = torch.tensor([3, -1, 0, 9, 4])
+    results = []
+    for entry in (WITH_CACHE, WITH_CACHE_OP):
+        q, k = query.clone(), key.clone()
+        kc, vc = torch.zeros(3, 4, hk, d).to(qkv.dtype), torch.zeros(3, 4, hv, d).to(qkv.dtype)
+        weights = (wq, wk) if gemma else (None, None)
+        (direct, handed), _ = _took(lambda: entry(positions, q, k, value, d, cache, True, kc, vc,
+                                                  slots, *weights, 1e-6, gemma))
+        results.append((q, k, kc, vc, direct))
+    (q1, k1, kc1, vc1, direct), (q2, k2, kc2, vc2, _) = results
+    assert direct == 1
+    assert torch.equal(q1, q2) and torch.equal(k1, k2)
+    assert torch.equal(kc1, kc2) and torch.equal(vc1, vc2)
+    assert [t._version for t in (q1, k1, kc1, vc1)] == [t._version for t in (q2, k2, kc2, vc2)]
+
+
+def test_fused_entries_hand_the_rest_to_the_op_and_write_nothing_on_error():
+    qkv, (hq, hk, hv, d), wq, wk, cache, positions = _fused_case()
+    args = (hq, hk, hv, d, 1e-6, wq, wk, cache, True, positions, False)
+    with _DispatchLog() as log:
+        (direct, handed), _ = _took(lambda: FUSED(qkv.clone(), *args))
+    assert (direct, handed) == (0, 1) and FUSED_OP in log.seen
+    (direct, handed), _ = _took(lambda: FUSED(qkv.clone(), *args[:-1]))  # the default gemma_norm
+    assert (direct, handed) == (0, 1)
+    # A position past the cache: the op's error, qkv untouched.
+    bad = positions.clone()
+    bad[1] = 32
+    mine, theirs = qkv.clone(), qkv.clone()
+    with pytest.raises(IndexError) as direct_error:
+        FUSED(mine, *args[:-2], bad, False)
+    with pytest.raises(IndexError) as op_error:
+        FUSED_OP(theirs, *args[:-2], bad, False)
+    assert str(direct_error.value) == str(op_error.value) and torch.equal(mine, qkv)
+    # A slot past the cache: nothing written anywhere.
+    query, key, value = (t.contiguous() for t in qkv.split([hq * d, hk * d, hv * d], -1))
+    q, k = query.clone(), key.clone()
+    kc, vc = torch.zeros(3, 4, hk, d).to(qkv.dtype), torch.zeros(3, 4, hv, d).to(qkv.dtype)
+    with pytest.raises(IndexError):
+        WITH_CACHE(positions, q, k, value, d, cache, True, kc, vc, torch.tensor([0, 1, 2, 3, 12]),
+                   None, None, 1e-6, False)
+    assert torch.equal(q, query) and torch.equal(k, key)
+    assert not kc.any() and not vc.any()
