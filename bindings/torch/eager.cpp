@@ -28,6 +28,7 @@
 #include <torch/extension.h>
 
 #include <optional>
+#include <type_traits>
 
 #include "calls.hpp"
 
@@ -130,6 +131,14 @@ struct Reader {
   }
 };
 
+using Written = c10::SmallVector<const Tensor*, 4>;
+
+Written with_optional(const Tensor* t, const std::optional<Tensor>& u) {
+  Written w{t};
+  if (u) w.push_back(&*u);
+  return w;
+}
+
 // rope / rope_'s arguments: (q, k, cos, sin, positions, rotation, blocks, rotary_dim,
 // table_width, column_axis, mat_a, mat_b).
 struct RopeArgs {
@@ -141,15 +150,16 @@ struct RopeArgs {
   c10::SmallVector<int64_t, 8> blocks, column_axis;
   int64_t rotary_dim = -1;
 
-  bool read(const py::args& args, const py::kwargs& kwargs) {
-    if (args.size() != 12 || kwargs.size() != 0 || !thread_is_plain()) return false;
-    Reader r{args};
+  static constexpr std::size_t kArity = 12;
+  bool read(Reader& r) {
     return r.tensor(q) && r.optional_tensor(k) && r.tensor(cos) && r.tensor(sin) &&
            r.optional_tensor(positions) && r.text(rotation) && r.integers(blocks) &&
            r.integer(rotary_dim) && r.text(table_width) && r.integers(column_axis) &&
            r.optional_tensor(mat_a) && r.optional_tensor(mat_b);
   }
   int64_t bytes() const { return int64_t(q->nbytes() + (k ? k->nbytes() : 0)); }
+  // What the in-place call writes (its version counters are bumped).
+  Written written() const { return with_optional(q, k); }
 };
 
 // rope_from_positions / rope_from_positions_'s: (q, k, positions, inv_freq, rotation, blocks,
@@ -165,14 +175,15 @@ struct FromPositionsArgs {
   double amplitude = 1.0;
   bool inverse = false;
 
-  bool read(const py::args& args, const py::kwargs& kwargs) {
-    if (args.size() != 10 || kwargs.size() != 0 || !thread_is_plain()) return false;
-    Reader r{args};
+  static constexpr std::size_t kArity = 10;
+  bool read(Reader& r) {
     return r.tensor(q) && r.optional_tensor(k) && r.tensor(positions) && r.tensor(inv_freq) &&
            r.text(rotation) && r.integers(blocks) && r.integer(rotary_dim) && r.real(amplitude) &&
            r.integers(column_axis) && r.flag(inverse);
   }
   int64_t bytes() const { return int64_t(q->nbytes() + (k ? k->nbytes() : 0)); }
+  // What the in-place call writes (its version counters are bumped).
+  Written written() const { return with_optional(q, k); }
 };
 
 // rotary_embedding's (vLLM's contract, in place): (positions, query, key, head_size,
@@ -185,14 +196,15 @@ struct RotaryEmbeddingArgs {
   int64_t head_size = 0, rope_dim_offset = 0;
   bool is_neox = true, inverse = false;
 
-  bool read(const py::args& args, const py::kwargs& kwargs) {
-    if (args.size() != 8 || kwargs.size() != 0 || !thread_is_plain()) return false;
-    Reader r{args};
+  static constexpr std::size_t kArity = 8;
+  bool read(Reader& r) {
     return r.tensor(positions) && r.tensor(query) && r.optional_tensor(key) &&
            r.integer(head_size) && r.tensor(cos_sin_cache) && r.flag(is_neox) &&
            r.integer(rope_dim_offset) && r.flag(inverse);
   }
   int64_t bytes() const { return int64_t(query->nbytes() + (key ? key->nbytes() : 0)); }
+  // What the in-place call writes (its version counters are bumped).
+  Written written() const { return with_optional(query, key); }
 };
 
 // fused_qk_norm_rope's (in place on qkv): (qkv, num_heads_q, num_heads_k, num_heads_v,
@@ -207,15 +219,16 @@ struct FusedQkNormRopeArgs {
   double eps = 0;
   bool is_neox = true, gemma_norm = false;
 
-  bool read(const py::args& args, const py::kwargs& kwargs) {
-    if (args.size() != 12 || kwargs.size() != 0 || !thread_is_plain()) return false;
-    Reader r{args};
+  static constexpr std::size_t kArity = 12;
+  bool read(Reader& r) {
     return r.tensor(qkv) && r.integer(heads_q) && r.integer(heads_k) && r.integer(heads_v) &&
            r.integer(head_dim) && r.real(eps) && r.tensor(q_weight) && r.tensor(k_weight) &&
            r.tensor(cos_sin_cache) && r.flag(is_neox) && r.tensor(position_ids) &&
            r.flag(gemma_norm);
   }
   int64_t bytes() const { return int64_t(qkv->nbytes()); }
+  // What the in-place call writes (its version counters are bumped).
+  Written written() const { return {qkv}; }
 };
 
 // rotary_embedding_with_cache's (query, key, key_cache, value_cache written): (positions, query,
@@ -235,9 +248,8 @@ struct RopeWithCacheArgs {
   double eps = 0;
   bool is_neox = true, gemma_norm = false;
 
-  bool read(const py::args& args, const py::kwargs& kwargs) {
-    if (args.size() != 14 || kwargs.size() != 0 || !thread_is_plain()) return false;
-    Reader r{args};
+  static constexpr std::size_t kArity = 14;
+  bool read(Reader& r) {
     return r.tensor(positions) && r.tensor(query) && r.tensor(key) && r.tensor(value) &&
            r.integer(head_size) && r.tensor(cos_sin_cache) && r.flag(is_neox) &&
            r.tensor(key_cache) && r.tensor(value_cache) && r.tensor(slot_mapping) &&
@@ -245,6 +257,8 @@ struct RopeWithCacheArgs {
            r.flag(gemma_norm);
   }
   int64_t bytes() const { return int64_t(query->nbytes() + key->nbytes() + value->nbytes()); }
+  // What the in-place call writes (its version counters are bumped).
+  Written written() const { return {query, key, key_cache, value_cache}; }
 };
 
 void bump_unless_inference(const Tensor& t) {
@@ -270,132 +284,84 @@ struct MaybeReleaseGil {
   PyThreadState* state = nullptr;
 };
 
-// An entry: `run(args)` (the GIL let go for long calls) where the call is the fast path's, else
-// `fallback(*args, **kwargs)`.
-template <typename Args, typename Run>
-py::cpp_function entry(py::object fallback, Run run) {
-  return py::cpp_function([fallback, run](py::args args, py::kwargs kwargs) -> py::object {
-    Args a;
-    if (!a.read(args, kwargs)) {
-      ++fallback_calls;
-      return fallback(*args, **kwargs);
-    }
-    ++direct_calls;
-    return run(a);
-  });
+// Registers `name`, which given the op's C++ entry (`fallback`) returns the eager entry: `call(a)`
+// with the GIL let go for long calls where the arguments are the fast path's, else
+// `fallback(*args, **kwargs)`. A `call` returning nothing is in place: the tensors it wrote get
+// their version counters bumped, as the op's ADInplaceOrView kernel does.
+template <typename Args, typename Call>
+void def_entry(py::module_& m, const char* name, const char* doc, Call call) {
+  auto make = [call](py::object fallback) {
+    return py::cpp_function([fallback, call](py::args args, py::kwargs kwargs) -> py::object {
+      Args a;
+      Reader reader{args};
+      if (args.size() != Args::kArity || kwargs.size() != 0 || !thread_is_plain() ||
+          !a.read(reader)) {
+        ++fallback_calls;
+        return fallback(*args, **kwargs);
+      }
+      ++direct_calls;
+      if constexpr (std::is_void_v<decltype(call(a))>) {
+        {
+          MaybeReleaseGil gil(a);
+          call(a);
+        }
+        for (const Tensor* t : a.written()) bump_unless_inference(*t);
+        return py::none();
+      } else {
+        decltype(call(a)) out;
+        {
+          MaybeReleaseGil gil(a);
+          out = call(a);
+        }
+        return py::cast(std::move(out));
+      }
+    });
+  };
+  m.def(name, make, py::arg("fallback"), doc);
 }
 
 }  // namespace
 
 void add_eager_entries(py::module_& m) {
-  m.def(
-      "_eager_rope",
-      [](py::object fallback) {
-        return entry<RopeArgs>(std::move(fallback), [](const RopeArgs& a) {
-          std::tuple<Tensor, Tensor> out;
-          {
-            MaybeReleaseGil gil(a);
-            out = rope_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation, a.blocks,
-                            a.rotary_dim, a.table_width, a.column_axis, a.mat_a, a.mat_b);
-          }
-          return py::cast(std::move(out));
-        });
-      },
-      py::arg("fallback"), "rome::rope's eager entry (eager.cpp); `fallback`: the op's");
-  m.def(
-      "_eager_rope_",
-      [](py::object fallback) {
-        return entry<RopeArgs>(std::move(fallback), [](const RopeArgs& a) {
-          {
-            MaybeReleaseGil gil(a);
-            rope_inplace_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation,
-                              a.blocks, a.rotary_dim, a.table_width, a.column_axis, a.mat_a,
-                              a.mat_b);
-          }
-          bump_unless_inference(*a.q);  // as the op's ADInplaceOrView kernel
-          if (a.k) bump_unless_inference(*a.k);
-          return py::object(py::none());
-        });
-      },
-      py::arg("fallback"), "rome::rope_'s eager entry (eager.cpp); `fallback`: the op's");
-  m.def(
-      "_eager_rope_from_positions",
-      [](py::object fallback) {
-        return entry<FromPositionsArgs>(std::move(fallback), [](const FromPositionsArgs& a) {
-          std::tuple<Tensor, Tensor> out;
-          {
-            MaybeReleaseGil gil(a);
-            out = rope_from_positions_call(Mode::run, *a.q, a.k, *a.positions, *a.inv_freq,
-                                           a.rotation, a.blocks, a.rotary_dim, a.amplitude,
-                                           a.column_axis, a.inverse);
-          }
-          return py::cast(std::move(out));
-        });
-      },
-      py::arg("fallback"), "rome::rope_from_positions's eager entry (eager.cpp)");
-  m.def(
-      "_eager_rope_from_positions_",
-      [](py::object fallback) {
-        return entry<FromPositionsArgs>(std::move(fallback), [](const FromPositionsArgs& a) {
-          {
-            MaybeReleaseGil gil(a);
-            rope_from_positions_inplace_call(Mode::run, *a.q, a.k, *a.positions, *a.inv_freq,
-                                             a.rotation, a.blocks, a.rotary_dim, a.amplitude,
-                                             a.column_axis, a.inverse);
-          }
-          bump_unless_inference(*a.q);
-          if (a.k) bump_unless_inference(*a.k);
-          return py::object(py::none());
-        });
-      },
-      py::arg("fallback"), "rome::rope_from_positions_'s eager entry (eager.cpp)");
-  m.def(
-      "_eager_rotary_embedding",
-      [](py::object fallback) {
-        return entry<RotaryEmbeddingArgs>(std::move(fallback), [](const RotaryEmbeddingArgs& a) {
-          {
-            MaybeReleaseGil gil(a);
-            rotary_embedding_call(Mode::run, *a.positions, *a.query, a.key, a.head_size,
-                                  *a.cos_sin_cache, a.is_neox, a.rope_dim_offset, a.inverse);
-          }
-          bump_unless_inference(*a.query);
-          if (a.key) bump_unless_inference(*a.key);
-          return py::object(py::none());
-        });
-      },
-      py::arg("fallback"), "rome::rotary_embedding's eager entry (eager.cpp)");
-  m.def(
-      "_eager_fused_qk_norm_rope",
-      [](py::object fallback) {
-        return entry<FusedQkNormRopeArgs>(std::move(fallback), [](const FusedQkNormRopeArgs& a) {
-          {
-            MaybeReleaseGil gil(a);
-            fused_qk_norm_rope_call(Mode::run, *a.qkv, a.heads_q, a.heads_k, a.heads_v, a.head_dim,
-                                    a.eps, *a.q_weight, *a.k_weight, *a.cos_sin_cache, a.is_neox,
-                                    *a.position_ids, a.gemma_norm);
-          }
-          bump_unless_inference(*a.qkv);
-          return py::object(py::none());
-        });
-      },
-      py::arg("fallback"), "rome::fused_qk_norm_rope's eager entry (eager.cpp)");
-  m.def(
-      "_eager_rotary_embedding_with_cache",
-      [](py::object fallback) {
-        return entry<RopeWithCacheArgs>(std::move(fallback), [](const RopeWithCacheArgs& a) {
-          {
-            MaybeReleaseGil gil(a);
-            rotary_embedding_with_cache_call(Mode::run, *a.positions, *a.query, *a.key, *a.value,
-                                             a.head_size, *a.cos_sin_cache, a.is_neox, *a.key_cache,
-                                             *a.value_cache, *a.slot_mapping, a.q_weight,
-                                             a.k_weight, a.eps, a.gemma_norm);
-          }
-          for (const Tensor* t : {a.query, a.key, a.key_cache, a.value_cache})
-            bump_unless_inference(*t);
-          return py::object(py::none());
-        });
-      },
-      py::arg("fallback"), "rome::rotary_embedding_with_cache's eager entry (eager.cpp)");
+  const char* doc = "an op's eager entry (eager.cpp), given the op's own (`fallback`)";
+  def_entry<RopeArgs>(m, "_eager_rope", doc, [](const RopeArgs& a) {
+    return rope_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation, a.blocks,
+                     a.rotary_dim, a.table_width, a.column_axis, a.mat_a, a.mat_b);
+  });
+  def_entry<RopeArgs>(m, "_eager_rope_", doc, [](const RopeArgs& a) {
+    rope_inplace_call(Mode::run, *a.q, a.k, *a.cos, *a.sin, a.positions, a.rotation, a.blocks,
+                      a.rotary_dim, a.table_width, a.column_axis, a.mat_a, a.mat_b);
+  });
+  def_entry<FromPositionsArgs>(
+      m, "_eager_rope_from_positions", doc, [](const FromPositionsArgs& a) {
+        return rope_from_positions_call(Mode::run, *a.q, a.k, *a.positions, *a.inv_freq, a.rotation,
+                                        a.blocks, a.rotary_dim, a.amplitude, a.column_axis,
+                                        a.inverse);
+      });
+  def_entry<FromPositionsArgs>(
+      m, "_eager_rope_from_positions_", doc, [](const FromPositionsArgs& a) {
+        rope_from_positions_inplace_call(Mode::run, *a.q, a.k, *a.positions, *a.inv_freq,
+                                         a.rotation, a.blocks, a.rotary_dim, a.amplitude,
+                                         a.column_axis, a.inverse);
+      });
+  def_entry<RotaryEmbeddingArgs>(
+      m, "_eager_rotary_embedding", doc, [](const RotaryEmbeddingArgs& a) {
+        rotary_embedding_call(Mode::run, *a.positions, *a.query, a.key, a.head_size,
+                              *a.cos_sin_cache, a.is_neox, a.rope_dim_offset, a.inverse);
+      });
+  def_entry<FusedQkNormRopeArgs>(
+      m, "_eager_fused_qk_norm_rope", doc, [](const FusedQkNormRopeArgs& a) {
+        fused_qk_norm_rope_call(Mode::run, *a.qkv, a.heads_q, a.heads_k, a.heads_v, a.head_dim,
+                                a.eps, *a.q_weight, *a.k_weight, *a.cos_sin_cache, a.is_neox,
+                                *a.position_ids, a.gemma_norm);
+      });
+  def_entry<RopeWithCacheArgs>(
+      m, "_eager_rotary_embedding_with_cache", doc, [](const RopeWithCacheArgs& a) {
+        rotary_embedding_with_cache_call(Mode::run, *a.positions, *a.query, *a.key, *a.value,
+                                         a.head_size, *a.cos_sin_cache, a.is_neox, *a.key_cache,
+                                         *a.value_cache, *a.slot_mapping, a.q_weight, a.k_weight,
+                                         a.eps, a.gemma_norm);
+      });
   m.def(
       "_eager_counts",
       [] {
